@@ -1,0 +1,139 @@
+"""`cubeserve` command line: generate in process, inspect configs, write random weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def _bbox(text: str) -> tuple[float, float, float]:
+    try:
+        parts = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--bbox takes X,Y,Z numbers, got {text!r}") from None
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"--bbox takes exactly 3 numbers X,Y,Z, got {text!r}")
+    return parts
+
+
+def cmd_generate(args) -> int:
+    from cubeserve.engine import Engine, GenerationRequest
+
+    out = Path(args.out)
+    fmt = args.format or (out.suffix.lstrip(".").lower() if out.suffix else "glb")
+    request = GenerationRequest(
+        prompt=args.prompt, seed=args.seed, guidance_scale=args.guidance, top_p=args.top_p,
+        temperature=args.temperature, resolution=args.resolution, bbox=args.bbox, format=fmt,
+    )
+    t0 = time.perf_counter()
+    engine = Engine.from_dir(args.weights, device=args.device, dtype=args.dtype,
+                             single_block_mode=args.single_block)
+    load_s = time.perf_counter() - t0
+    result = engine.generate([request])[0]
+    timings = {"load_s": load_s, **result.timings}
+    if result.mesh.empty:
+        print(f"no mesh: {result.mesh.message}", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(result.mesh_bytes())
+    if args.save_tokens:
+        Path(args.save_tokens).write_text(json.dumps(result.tokens))
+    n = len(result.tokens)
+    print(f"prompt: {args.prompt!r}  device: {engine.device}  dtype: {args.dtype}  tokens: {n}")
+    print(f"time per output token: {timings['time_per_token_s'] * 1e3:.2f} ms")
+    print("stages: " + "  ".join(f"{k[:-2]} {v:.3f} s" for k, v in timings.items() if k != "time_per_token_s"))
+    print(f"mesh: {len(result.mesh.vertices)} vertices, {len(result.mesh.faces)} faces -> {out}")
+    return 0 if not result.mesh.empty else 3
+
+
+def cmd_info(args) -> int:
+    from cubeserve.checkpoint import describe
+    from cubeserve.config import get_config
+
+    info = describe(get_config(args.config))
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for k, v in info.items():
+            print(f"{k:48s} {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:48s} {v}")
+    return 0
+
+
+def cmd_weights_init(args) -> int:
+    from cubeserve.checkpoint import write_random_weights
+
+    out = write_random_weights(args.config, args.out, seed=args.seed)
+    print(f"wrote random {args.config} weights (seed {args.seed}) to {out}")
+    return 0
+
+
+def cmd_weights_check(args) -> int:
+    from cubeserve.checkpoint import validate_dir
+
+    cfg, _, _ = validate_dir(args.weights)
+    print(f"{args.weights}: valid {cfg.name} checkpoint ({cfg.num_tokens} shape tokens, bbox={cfg.gpt.use_bbox})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cubeserve", description="Serve Cube 3D text-to-3D models.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="prompt -> mesh, in process")
+    g.add_argument("prompt")
+    g.add_argument("--weights", required=True, help="weights directory (safetensors, YAML config, clip/)")
+    g.add_argument("--out", default="output.glb", help="output mesh (.glb or .obj)")
+    g.add_argument("--format", choices=["glb", "obj"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale (>= 0)")
+    g.add_argument("--top-p", type=float, default=None, help="sample from the top-p set, (0, 1]")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (> 0)")
+    g.add_argument("--resolution", type=int, default=8, help="grid 2^r + 1 per axis, r in [4, 9]")
+    g.add_argument("--bbox", type=_bbox, default=None, help="object size X,Y,Z (v0.5-style models)")
+    g.add_argument("--single-block", choices=["reference", "causal"], default="reference")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--save-tokens", help="write the shape token ids as a JSON list")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="sizes of a config, from the model built on the meta device")
+    i.add_argument("--config", default="v0.1")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    w = sub.add_parser("weights", help="weights directories")
+    wsub = w.add_subparsers(dest="weights_command", required=True)
+    wi = wsub.add_parser("init", help="write deterministic random weights in the reference naming")
+    wi.add_argument("--config", default="tiny")
+    wi.add_argument("--seed", type=int, default=0)
+    wi.add_argument("--out", required=True)
+    wi.set_defaults(func=cmd_weights_init)
+    wc = wsub.add_parser("check", help="validate a weights directory without loading it")
+    wc.add_argument("weights")
+    wc.set_defaults(func=cmd_weights_check)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if getattr(args, "dtype", "unset") is None:
+        from cubeserve.engine.engine import resolve_device
+        args.dtype = "bfloat16" if resolve_device(args.device).type == "cuda" else "float32"
+    from cubeserve.checkpoint import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

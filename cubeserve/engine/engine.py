@@ -1,0 +1,216 @@
+"""The generation engine: prompts in, shape tokens and meshes out.
+
+    text      CLIP -> text_proj (+ bbox token)              once per request
+    prefill   condition K/V of every dual layer              once per request;
+              the unconditional prefix                       once per engine, shared
+    decode    one token per object per step, guidance rows [cond ; uncond] in one batch
+    shape     tokens -> latents -> occupancy grid -> marching cubes -> GLB/OBJ
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from cubeserve.checkpoint import CLIP_DIR, load_models
+from cubeserve.config import ModelConfig
+from cubeserve.engine import geometry
+from cubeserve.engine.cache import KVCache
+from cubeserve.engine.requests import GenerationRequest
+from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
+from cubeserve.engine.step import decode_step, prefill_condition
+from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT
+from cubeserve.model.layers import cast_linears
+from cubeserve.model.text import TextEncoder
+from cubeserve.model.tokenizer import ShapeTokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class GenerationResult:
+    request: GenerationRequest
+    tokens: list[int]
+    mesh: geometry.Mesh
+    timings: dict[str, float] = field(default_factory=dict)  # seconds, per stage
+
+    def mesh_bytes(self) -> bytes:
+        return self.mesh.export(self.request.format)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Engine:
+    """Holds the models of one checkpoint on one device and generates from requests."""
+
+    def __init__(self, cfg: ModelConfig, gpt: DualStreamGPT, tokenizer: ShapeTokenizer, text: TextEncoder,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 single_block_mode: str = "reference"):
+        if single_block_mode not in SINGLE_BLOCK_MODES:
+            raise ValueError(f"single_block_mode must be one of {SINGLE_BLOCK_MODES}, got {single_block_mode!r}")
+        if text.hidden_size != cfg.gpt.text_model_embed_dim:
+            raise ValueError(
+                f"the CLIP model has hidden size {text.hidden_size}, the GPT expects "
+                f"text_model_embed_dim {cfg.gpt.text_model_embed_dim}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.single_block_mode = single_block_mode
+        self.gpt = gpt.to(self.device)
+        self.tokenizer = tokenizer.to(self.device)
+        # Cast the Linear weights to the compute dtype once. The condition projections stay
+        # fp32, as the reference runs them outside autocast; norms and embeddings stay fp32.
+        keep_fp32 = tuple(m for m in (gpt.text_proj, gpt.shape_proj, getattr(gpt, "bbox_proj", None)) if m is not None)
+        cast_linears(self.gpt, dtype, skip=keep_fp32)
+        cast_linears(self.tokenizer, dtype)
+        self.text = text
+        # The unconditional prefix: CLIP("") (+ a zero box), prefilled once and shared.
+        self.uncond_kv = prefill_condition(self.gpt, self._condition([""], [None]), self.dtype)
+
+    @classmethod
+    def from_dir(cls, weights_dir: str | Path, device: str | torch.device | None = "cpu",
+                 dtype: str | torch.dtype = "float32", single_block_mode: str = "reference",
+                 config: ModelConfig | str | None = None) -> "Engine":
+        device = resolve_device(device)
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        cfg, gpt, tok = load_models(weights_dir, config=config, device="cpu")
+        text = TextEncoder(Path(weights_dir) / CLIP_DIR, device=device)
+        return cls(cfg, gpt, tok, text, device=device, dtype=dtype, single_block_mode=single_block_mode)
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    def _condition(self, prompts: list[str], bboxes: list) -> torch.Tensor:
+        hidden = self.text(prompts)
+        box = None
+        if self.cfg.gpt.use_bbox:
+            box = torch.tensor([b if b is not None else (0.0, 0.0, 0.0) for b in bboxes],
+                               dtype=torch.float32, device=self.device)
+        return self.gpt.condition(hidden, box)
+
+    def validate(self, requests: list[GenerationRequest]) -> None:
+        for r in requests:
+            r.validate(uses_bbox=self.cfg.gpt.use_bbox)
+
+    def _sampling_tensors(self, requests: list[GenerationRequest]) -> dict[str, torch.Tensor]:
+        dev = self.device
+        return {
+            "scale": torch.tensor([r.guidance_scale for r in requests], dtype=torch.float32, device=dev),
+            "greedy": torch.tensor([r.greedy for r in requests], device=dev),
+            "temperature": torch.tensor([r.temperature or 1.0 for r in requests], dtype=torch.float32, device=dev),
+            "top_p": torch.tensor([r.top_p if r.top_p is not None else 1.0 for r in requests], dtype=torch.float32, device=dev),
+            "seed": torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev),
+        }
+
+    def _next_tokens(self, logits: torch.Tensor, b: int, step: int, params: dict) -> torch.Tensor:
+        """Guidance on rows [cond ; uncond] and sampling -> ids [b]."""
+        n = self.cfg.num_tokens
+        codes = self.cfg.gpt.shape_model_vocab_size
+        logits = logits[:, :codes]  # BOS/EOS/PAD are never sampled
+        steps = torch.full((b,), step, dtype=torch.int64, device=self.device)
+        guided = apply_guidance(logits[:b], logits[b:], guidance_weights(params["scale"], steps, n))
+        return sample(guided, params["greedy"], params["temperature"], params["top_p"], params["seed"], steps)
+
+    @torch.no_grad()
+    def generate_tokens(self, requests: list[GenerationRequest],
+                        on_step: Callable[[int], None] | None = None,
+                        return_logits: bool = False):
+        """Shape token ids [B, N] for a batch of requests, with the KV cache.
+
+        With `return_logits`, also the guided fp32 logits [B, N, codes] of every step.
+        """
+        self.validate(requests)
+        b, n = len(requests), self.cfg.num_tokens
+        cache = KVCache(self.cfg, rows=2 * b, device=self.device, dtype=self.dtype,
+                        single_block_mode=self.single_block_mode)
+        cond = self._condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
+        cache.set_condition(slice(0, b), prefill_condition(self.gpt, cond, self.dtype))
+        cache.set_condition(slice(b, 2 * b), self.uncond_kv)
+        params = self._sampling_tensors(requests)
+
+        tokens = torch.empty(b, n, dtype=torch.int64, device=self.device)
+        all_logits = []
+        bos = torch.full((2 * b,), self.cfg.gpt.bos_id, dtype=torch.int64, device=self.device)
+        x = self.gpt.embed_tokens(bos)
+        for step in range(n):
+            positions = torch.full((2 * b,), step, dtype=torch.int64, device=self.device)
+            logits = decode_step(self.gpt, cache, x, positions, live=step + 1, uniform=True)
+            ids = self._next_tokens(logits, b, step, params)
+            if return_logits:
+                codes = self.cfg.gpt.shape_model_vocab_size
+                g = guidance_weights(params["scale"], torch.full((b,), step, device=self.device), n)
+                all_logits.append(apply_guidance(logits[:b, :codes], logits[b:, :codes], g))
+            tokens[:, step] = ids
+            x = self.gpt.embed_tokens(ids.repeat(2))
+            if on_step is not None:
+                on_step(step + 1)
+        return (tokens, torch.stack(all_logits, dim=1)) if return_logits else tokens
+
+    @torch.no_grad()
+    def generate_tokens_uncached(self, requests: list[GenerationRequest], return_logits: bool = False):
+        """The reference's uncached mode: the full forward over the whole prefix every step."""
+        self.validate(requests)
+        b, n = len(requests), self.cfg.num_tokens
+        codes = self.cfg.gpt.shape_model_vocab_size
+        cond = self._condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
+        uncond = self._condition([""] * b, [None] * b)
+        cond_rows = torch.cat([cond, uncond], dim=0)
+        params = self._sampling_tensors(requests)
+        seq = torch.full((2 * b, 1), self.cfg.gpt.bos_id, dtype=torch.int64, device=self.device)
+        tokens, all_logits = [], []
+        for step in range(n):
+            logits = self.gpt.forward_uncached(self.gpt.embed_tokens(seq), cond_rows, self.single_block_mode,
+                                               compute_dtype=self.dtype)[:, -1]
+            ids = self._next_tokens(logits, b, step, params)
+            if return_logits:
+                g = guidance_weights(params["scale"], torch.full((b,), step, device=self.device), n)
+                all_logits.append(apply_guidance(logits[:b, :codes], logits[b:, :codes], g))
+            tokens.append(ids)
+            seq = torch.cat([seq, ids.repeat(2)[:, None]], dim=1)
+        tokens = torch.stack(tokens, dim=1)
+        return (tokens, torch.stack(all_logits, dim=1)) if return_logits else tokens
+
+    @torch.no_grad()
+    def tokens_to_meshes(self, tokens: torch.Tensor, resolutions: list[int],
+                         chunk_size: int = geometry.DEFAULT_CHUNK) -> list[geometry.Mesh]:
+        latents = self.tokenizer.decode_tokens(tokens.to(self.device))
+        meshes = []
+        for i, res in enumerate(resolutions):
+            grid = geometry.occupancy_grid(self.tokenizer, latents[i: i + 1], res, chunk_size)[0]
+            meshes.append(geometry.marching_cubes(grid, res))
+        return meshes
+
+    def generate(self, requests: list[GenerationRequest],
+                 on_step: Callable[[int], None] | None = None) -> list[GenerationResult]:
+        """Prompts to meshes, with per-stage timings (seconds)."""
+        self.validate(requests)
+        t0 = time.perf_counter()
+        tokens = self.generate_tokens(requests, on_step=on_step)
+        self._sync()
+        t1 = time.perf_counter()
+        meshes = self.tokens_to_meshes(tokens, [r.resolution for r in requests])
+        self._sync()
+        t2 = time.perf_counter()
+        n = self.cfg.num_tokens
+        results = []
+        for r, toks, mesh in zip(requests, tokens.tolist(), meshes):
+            if mesh.empty:
+                log.warning("prompt %r: %s", r.prompt, mesh.message)
+            results.append(GenerationResult(r, toks, mesh, {
+                "tokens_s": t1 - t0, "time_per_token_s": (t1 - t0) / n, "geometry_s": (t2 - t1) / len(requests),
+            }))
+        return results
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,64 @@
+"""Guidance and sampling for a whole batch at once, on the device, with no host sync.
+
+Randomness is counter-based: the noise for (seed, step, token id) is a fixed hash, so a
+request draws the same tokens alone or batched with others, on any device, and the step
+can later run inside a captured CUDA graph (no generator state to carry).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser ("lowbias32") on int64 tensors holding values < 2**32.
+    Products may wrap around int64; only their low 32 bits are kept, which wrapping preserves."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, vocab] as a pure function of (seed[b], step[b], token id)."""
+    ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    h = _mix32((seed & _M32) ^ _mix32((seed >> 32) & _M32))
+    h = _mix32((h + step * 0x9E3779B1) & _M32)
+    h = _mix32((h[:, None] + ids[None, :] * 0x85EBCA77) & _M32)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def guidance_weights(scale: torch.Tensor, step: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The reference's decaying guidance g_i = scale * (N - i) / N, per row."""
+    return scale * (num_tokens - step).float() / num_tokens
+
+
+def apply_guidance(cond: torch.Tensor, uncond: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """(1 + g) * cond - g * uncond on fp32 logits [B, V]."""
+    g = g[:, None]
+    return (1 + g) * cond.float() - g * uncond.float()
+
+
+def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+           seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Next token ids [B] from guided fp32 logits [B, V].
+
+    Greedy rows take the argmax. Other rows sample softmax(logits / temperature) restricted to
+    the reference's top-p set: tokens are kept while the cumulative probability (including the
+    token) is <= p, the most likely token always; p >= 1 keeps everything.
+    """
+    argmax = logits.argmax(dim=-1)
+    scaled = logits / temperature[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    keep = sorted_probs.cumsum(dim=-1) <= top_p[:, None]
+    keep[:, 0] = True
+    keep |= (top_p >= 1.0)[:, None]
+    gumbel = -torch.log(-torch.log(counter_uniform(seed, step, logits.shape[-1])))
+    score = torch.log(sorted_probs) + gumbel.gather(-1, order)
+    score = score.masked_fill(~keep, float("-inf"))
+    sampled = order.gather(-1, score.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return torch.where(greedy, argmax, sampled)

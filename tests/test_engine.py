@@ -1,0 +1,129 @@
+"""The cached engine reproduces the uncached reference forward, batches exactly, samples
+reproducibly, and handles the reference's single-block quirk both ways."""
+
+import pytest
+import torch
+
+from cubeserve.engine import GenerationRequest as Req
+from cubeserve.model.layers import apply_rope, attention, layer_norm, merge_heads
+
+PROMPTS = ["a red chair", "a round table with four legs", ""]
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-bbox"])
+@pytest.mark.parametrize("guidance", [0.0, 3.0])
+def test_cached_decode_equals_uncached_forward_in_causal_mode(make_engine, config, guidance):
+    engine = make_engine(config, "causal")
+    bbox = (1.0, 2.0, 0.5) if config == "tiny-bbox" else None
+    reqs = [Req(p, guidance_scale=guidance, bbox=bbox if i == 0 else None) for i, p in enumerate(PROMPTS)]
+    tokens, logits = engine.generate_tokens(reqs, return_logits=True)
+    ref_tokens, ref_logits = engine.generate_tokens_uncached(reqs, return_logits=True)
+    assert torch.equal(tokens, ref_tokens)
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+
+
+def test_bbox_changes_the_condition(make_engine):
+    engine = make_engine("tiny-bbox", "causal")
+    a = engine.generate_tokens([Req("a chair", bbox=(1, 1, 1))], return_logits=True)[1]
+    b = engine.generate_tokens([Req("a chair", bbox=(1, 3, 1))], return_logits=True)[1]
+    assert (a - b).abs().max().item() > 1e-3
+
+
+def _bos_only_forward(gpt, shape_embeds, cond):
+    """An independent computation of the reference's cached behaviour: the full forward, with
+    the single block's attention written out as 'every query sees only position 0'."""
+    cfg = gpt.cfg
+    x = shape_embeds.float()
+    s, L = cond.shape[1], x.shape[1]
+    # Dual blocks: as the uncached forward (they are unaffected by the quirk).
+    cos, sin = gpt.rope(torch.arange(L))
+    mask = torch.ones(s + L, s + L, dtype=torch.bool).tril()
+    c = cond.float()
+    for block in gpt.transformer.dual_blocks:
+        qx, kx, vx = block.attn.pre_x(layer_norm(x, cfg.eps))
+        qc, kc, vc = block.attn.pre_c(layer_norm(c, cfg.eps))
+        qx, kx = apply_rope(qx, cos, sin), apply_rope(kx, cos, sin)
+        k, v = torch.cat([kc, kx], 2), torch.cat([vc, vx], 2)
+        if block.last:
+            x = block.post_1(x, merge_heads(attention(qx, k, v, mask=mask[s:])))
+        else:
+            y = attention(torch.cat([qc, qx], 2), k, v, mask=mask)
+            c = block.post_2(c, merge_heads(y[:, :, :s]))
+            x = block.post_1(x, merge_heads(y[:, :, s:]))
+    for block in gpt.transformer.single_blocks:
+        _, _, v = block.attn.qkv(layer_norm(x, cfg.eps))
+        y = v[:, :, :1].expand(-1, -1, L, -1)  # softmax over a single key is 1: output = v_0
+        x = block.update(x, merge_heads(y))
+    return gpt.logits(x)
+
+
+@pytest.mark.parametrize("guidance", [0.0, 3.0])
+def test_reference_mode_equals_independent_bos_only_computation(make_engine, guidance):
+    engine = make_engine("tiny", "reference")
+    reqs = [Req(p, guidance_scale=guidance) for p in PROMPTS]
+    tokens, logits = engine.generate_tokens(reqs, return_logits=True)
+    b, n = tokens.shape
+    gpt = engine.gpt
+    cond = torch.cat([engine._condition([r.prompt for r in reqs], [None] * b),
+                      engine._condition([""] * b, [None] * b)])
+    seq = torch.cat([torch.full((b, 1), gpt.cfg.bos_id), tokens[:, :-1]], dim=1).repeat(2, 1)
+    full = _bos_only_forward(gpt, gpt.embed_tokens(seq), cond)[..., : gpt.cfg.shape_model_vocab_size]
+    g = guidance * (n - torch.arange(n)) / n
+    expected = (1 + g)[None, :, None] * full[:b] - g[None, :, None] * full[b:]
+    assert (logits - expected).abs().max().item() < 1e-4
+    assert torch.equal(tokens, expected.argmax(-1))
+
+
+def test_reference_and_causal_modes_differ(make_engine):
+    reqs = [Req("a red chair")]
+    ref = make_engine("tiny", "reference").generate_tokens(reqs, return_logits=True)[1]
+    causal = make_engine("tiny", "causal").generate_tokens(reqs, return_logits=True)[1]
+    assert torch.allclose(ref[:, 0], causal[:, 0], atol=1e-5)  # BOS step: same attention
+    assert (ref - causal).abs().max().item() > 1e-3
+
+
+def test_batch_equals_one_by_one(make_engine):
+    engine = make_engine("tiny", "reference")
+    reqs = [Req("a red chair"), Req("a lamp", top_p=0.9, seed=7), Req("", guidance_scale=0.0),
+            Req("a boat", temperature=0.7, seed=3)]
+    batched = engine.generate_tokens(reqs)
+    for i, r in enumerate(reqs):
+        assert torch.equal(engine.generate_tokens([r])[0], batched[i])
+
+
+def test_prompts_change_tokens(make_engine):
+    engine = make_engine("tiny", "reference")
+    tokens = engine.generate_tokens([Req("a red chair"), Req("a sailing boat")])
+    assert not torch.equal(tokens[0], tokens[1])
+
+
+def test_same_seed_same_tokens_different_seeds_differ(make_engine):
+    engine = make_engine("tiny", "reference")
+    a = engine.generate_tokens([Req("a lamp", top_p=0.95, seed=1)])
+    b = engine.generate_tokens([Req("a lamp", top_p=0.95, seed=1)])
+    c = engine.generate_tokens([Req("a lamp", top_p=0.95, seed=2)])
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_tiny_top_p_or_cold_temperature_is_greedy(make_engine):
+    engine = make_engine("tiny", "reference")
+    greedy = engine.generate_tokens([Req("a lamp")])
+    assert torch.equal(engine.generate_tokens([Req("a lamp", top_p=1e-6, seed=5)]), greedy)
+    assert torch.equal(engine.generate_tokens([Req("a lamp", temperature=1e-4, seed=5)]), greedy)
+
+
+def test_prompt_longer_than_77_clip_tokens_is_truncated(make_engine):
+    engine = make_engine("tiny", "reference")
+    base = "a tall chair with " * 10
+    assert engine.text.token_count(base) > 77
+    a = engine.generate_tokens([Req(base)])
+    b = engine.generate_tokens([Req(base + " and more words that fall past the end")])
+    assert torch.equal(a, b)
+
+
+def test_empty_prompt_is_the_unconditional_prompt(make_engine):
+    engine = make_engine("tiny", "reference")
+    # With guidance the empty prompt's cond and uncond rows are equal: guidance is a no-op.
+    assert torch.equal(engine.generate_tokens([Req("", guidance_scale=3.0)]),
+                       engine.generate_tokens([Req("", guidance_scale=0.0)]))
