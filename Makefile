@@ -29,7 +29,7 @@ weights: $(DEMO_WEIGHTS)/config.yaml
 demo: install weights
 	mkdir -p outputs
 	$(VENV)/bin/cubeserve generate "$(PROMPT)" --weights $(DEMO_WEIGHTS) --resolution 6 \
-		--out outputs/demo.glb --save-tokens outputs/demo_tokens.json
+		--out outputs/demo.glb --preview outputs/demo.png --save-tokens outputs/demo_tokens.json
 
 clean:
 	rm -rf outputs weights

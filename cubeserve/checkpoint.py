@@ -289,7 +289,7 @@ def write_random_weights(cfg: ModelConfig | str, out_dir: str | Path, seed: int 
     gpt, tok = init_random_models(cfg, seed)
     for module, name in ((gpt, GPT_FILE), (tok, TOKENIZER_FILE)):
         state = {k: v.detach().contiguous() for k, v in module.named_parameters()}
-        save_file(state, str(out / name), metadata={"format": "pt", "generator": f"cubeserve weights init seed={seed}"})
+        save_file(state, str(out / name), metadata={"format": "pt"})
     write_yaml(cfg, out / "config.yaml")
     build_tiny_clip(out / CLIP_DIR, hidden_size=cfg.gpt.text_model_embed_dim, seed=seed,
                     max_length=cfg.text_max_length)

@@ -41,6 +41,10 @@ def cmd_generate(args) -> int:
     out.write_bytes(result.mesh_bytes())
     if args.save_tokens:
         Path(args.save_tokens).write_text(json.dumps(result.tokens))
+    if args.preview:
+        from cubeserve.engine.geometry import render_preview
+
+        Path(args.preview).write_bytes(render_preview(result.mesh))
     n = len(result.tokens)
     print(f"prompt: {args.prompt!r}  device: {engine.device}  dtype: {args.dtype}  tokens: {n}")
     print(f"time per output token: {timings['time_per_token_s'] * 1e3:.2f} ms")
@@ -99,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--save-tokens", help="write the shape token ids as a JSON list")
+    g.add_argument("--preview", help="write a PNG preview of the mesh")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="sizes of a config, from the model built on the meta device")

@@ -1,0 +1,112 @@
+"""Bad input gets an error naming the field; geometry follows the reference's mapping."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import trimesh
+from skimage import measure
+
+from cubeserve.engine import GenerationRequest as Req
+from cubeserve.engine import InvalidRequest
+from cubeserve.engine import geometry
+
+
+@pytest.mark.parametrize("fields,name", [
+    ({"guidance_scale": -0.1}, "guidance_scale"),
+    ({"guidance_scale": float("nan")}, "guidance_scale"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"resolution": 3}, "resolution"),
+    ({"resolution": 10}, "resolution"),
+    ({"resolution": 5.5}, "resolution"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"bbox": (1.0, 0.0, 1.0)}, "bbox"),
+    ({"bbox": (1.0, -2.0, 1.0)}, "bbox"),
+    ({"bbox": (1.0, 2.0)}, "bbox"),
+    ({"format": "stl"}, "format"),
+    ({"prompt": "x" * 5000}, "prompt"),
+    ({"prompt": b"bytes"}, "prompt"),
+])
+def test_out_of_range_fields_are_named(make_engine, fields, name):
+    engine = make_engine("tiny-bbox")
+    with pytest.raises(InvalidRequest) as err:
+        engine.generate_tokens([Req(**{"prompt": "a chair", **fields})])
+    assert err.value.field == name and str(err.value).startswith(name + ":")
+
+
+def test_error_message_gives_the_allowed_range():
+    with pytest.raises(InvalidRequest, match=r"top_p: must be a number in \(0, 1\], got 2"):
+        Req(top_p=2).validate()
+    with pytest.raises(InvalidRequest, match=r"resolution: must be an integer in \[4, 9\]"):
+        Req(resolution=12).validate()
+
+
+def test_bbox_on_a_model_without_bbox_is_refused(make_engine):
+    with pytest.raises(InvalidRequest, match="bbox: this model takes no bounding box"):
+        make_engine("tiny").generate_tokens([Req("a chair", bbox=(1, 1, 1))])
+
+
+def test_bbox_is_normalised_to_longest_side_1925():
+    assert Req(bbox=(2.0, 4.0, 1.0)).normalized_bbox() == pytest.approx((0.9625, 1.925, 0.48125))
+
+
+def test_one_bad_request_fails_before_any_work(make_engine):
+    engine = make_engine("tiny")
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.generate([Req("a chair", resolution=5), Req("a lamp", top_p=-1)])
+
+
+@pytest.mark.parametrize("prompt", ["a red chair", "a donut", ""])
+def test_random_weights_give_a_mesh_that_loads_back(make_engine, prompt):
+    result = make_engine("tiny").generate([Req(prompt, resolution=5)])[0]
+    assert not result.mesh.empty and len(result.mesh.faces) > 100
+    loaded = trimesh.load(io.BytesIO(result.mesh_bytes()), file_type="glb", force="mesh")
+    assert len(loaded.faces) == len(result.mesh.faces)
+    assert np.abs(result.mesh.vertices).max() <= 1.05
+    obj = trimesh.load(io.BytesIO(result.mesh.export("obj")), file_type="obj", force="mesh", process=False)
+    assert len(obj.vertices) == len(result.mesh.vertices)
+
+
+def test_marching_cubes_uses_reference_vertex_mapping_and_winding():
+    r = 4
+    n = geometry.grid_size(r)
+    pts = geometry.grid_points(r).view(n, n, n, 3)
+    field = 0.6 - pts.norm(dim=-1)  # a ball, positive inside
+    mesh = geometry.marching_cubes(field, r)
+    verts, faces, _, _ = measure.marching_cubes(field.numpy(), 0.0, method="lewiner")
+    np.testing.assert_allclose(mesh.vertices, verts / n * 2.1 - 1.05, rtol=0, atol=1e-6)  # / n, not / (n - 1)
+    np.testing.assert_array_equal(mesh.faces, faces[:, ::-1])
+
+
+def test_grid_is_ij_ordered_with_2r_plus_1_samples():
+    pts = geometry.grid_points(4)
+    assert pts.shape == (17**3, 3)
+    assert torch.allclose(pts[0], torch.tensor([-1.05] * 3)) and torch.allclose(pts[-1], torch.tensor([1.05] * 3))
+    assert torch.allclose(pts[1], torch.tensor([-1.05, -1.05, -1.05 + 2.1 / 16]))  # z fastest
+
+
+def test_a_field_without_surface_is_an_empty_result_with_a_message():
+    mesh = geometry.marching_cubes(torch.full((17, 17, 17), -3.0), 4)
+    assert mesh.empty and "does not cross zero" in mesh.message
+    assert len(mesh.export("glb")) > 0  # still a valid (empty) file
+
+
+def test_chunked_occupancy_equals_one_chunk(make_engine):
+    engine = make_engine("tiny")
+    latents = engine.tokenizer.decode_tokens(engine.generate_tokens([Req("a chair")]))
+    whole = geometry.occupancy_grid(engine.tokenizer, latents, 4, chunk_size=10**7)
+    chunked = geometry.occupancy_grid(engine.tokenizer, latents, 4, chunk_size=1000)
+    assert torch.allclose(whole, chunked, atol=1e-5)
+
+
+def test_encoder_round_trip_on_tokenizer_output(make_engine):
+    engine = make_engine("tiny")
+    tok = engine.tokenizer
+    pts = torch.rand(1, 256, 3) * 2 - 1
+    ids = tok.encode(pts, torch.nn.functional.normalize(pts, dim=-1))
+    assert ids.shape == (1, 32) and int(ids.min()) >= 0 and int(ids.max()) < 64
