@@ -64,8 +64,8 @@ def test_reference_mode_equals_independent_bos_only_computation(make_engine, gui
     tokens, logits = engine.generate_tokens(reqs, return_logits=True)
     b, n = tokens.shape
     gpt = engine.gpt
-    cond = torch.cat([engine._condition([r.prompt for r in reqs], [None] * b),
-                      engine._condition([""] * b, [None] * b)])
+    cond = torch.cat([engine.condition([r.prompt for r in reqs], [None] * b),
+                      engine.condition([""] * b, [None] * b)])
     seq = torch.cat([torch.full((b, 1), gpt.cfg.bos_id), tokens[:, :-1]], dim=1).repeat(2, 1)
     full = _bos_only_forward(gpt, gpt.embed_tokens(seq), cond)[..., : gpt.cfg.shape_model_vocab_size]
     g = guidance * (n - torch.arange(n)) / n
@@ -127,3 +127,33 @@ def test_empty_prompt_is_the_unconditional_prompt(make_engine):
     # With guidance the empty prompt's cond and uncond rows are equal: guidance is a no-op.
     assert torch.equal(engine.generate_tokens([Req("", guidance_scale=3.0)]),
                        engine.generate_tokens([Req("", guidance_scale=0.0)]))
+
+
+def test_requests_joining_mid_generation_get_their_own_tokens(make_engine):
+    """Continuous batching: rows at different positions, a free slot inside the batch range."""
+    from cubeserve.engine.batch import SlotPool
+
+    engine = make_engine("tiny", "causal")
+    a, b, c = Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0)
+    alone = {r.prompt: engine.generate_tokens([r])[0] for r in (a, b, c)}
+    pool = SlotPool(engine, max_objects=3)
+    done = {}
+
+    def step(times):
+        for _ in range(times):
+            for s in pool.step().finished:
+                done[s] = pool.tokens[s].clone()
+                pool.release(s)
+
+    assert pool.admit([a]) == [0]
+    step(5)
+    assert pool.admit([b, c]) == [1, 2]
+    step(3)
+    pool.release(1)  # b leaves (cancelled): a hole in the middle of the running range
+    step(4)
+    assert pool.admit([b]) == [1]  # b again, from BOS, next to a and c at other positions
+    step(3 * engine.cfg.num_tokens)
+    assert not pool.busy_slots
+    assert torch.equal(done[0], alone[a.prompt])
+    assert torch.equal(done[1], alone[b.prompt])
+    assert torch.equal(done[2], alone[c.prompt])

@@ -20,10 +20,10 @@ import torch
 from cubeserve.checkpoint import CLIP_DIR, load_models
 from cubeserve.config import ModelConfig
 from cubeserve.engine import geometry
-from cubeserve.engine.cache import KVCache
+from cubeserve.engine.batch import SlotPool
 from cubeserve.engine.requests import GenerationRequest
 from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
-from cubeserve.engine.step import decode_step, prefill_condition
+from cubeserve.engine.step import prefill_condition
 from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT
 from cubeserve.model.layers import cast_linears
 from cubeserve.model.text import TextEncoder
@@ -76,7 +76,7 @@ class Engine:
         cast_linears(self.tokenizer, dtype)
         self.text = text
         # The unconditional prefix: CLIP("") (+ a zero box), prefilled once and shared.
-        self.uncond_kv = prefill_condition(self.gpt, self._condition([""], [None]), self.dtype)
+        self.uncond_kv = prefill_condition(self.gpt, self.condition([""], [None]), self.dtype)
 
     @classmethod
     def from_dir(cls, weights_dir: str | Path, device: str | torch.device | None = "cpu",
@@ -90,7 +90,7 @@ class Engine:
 
     # -- stages ---------------------------------------------------------------------------------
 
-    def _condition(self, prompts: list[str], bboxes: list) -> torch.Tensor:
+    def condition(self, prompts: list[str], bboxes: list) -> torch.Tensor:
         hidden = self.text(prompts)
         box = None
         if self.cfg.gpt.use_bbox:
@@ -102,58 +102,25 @@ class Engine:
         for r in requests:
             r.validate(uses_bbox=self.cfg.gpt.use_bbox)
 
-    def _sampling_tensors(self, requests: list[GenerationRequest]) -> dict[str, torch.Tensor]:
-        dev = self.device
-        return {
-            "scale": torch.tensor([r.guidance_scale for r in requests], dtype=torch.float32, device=dev),
-            "greedy": torch.tensor([r.greedy for r in requests], device=dev),
-            "temperature": torch.tensor([r.temperature or 1.0 for r in requests], dtype=torch.float32, device=dev),
-            "top_p": torch.tensor([r.top_p if r.top_p is not None else 1.0 for r in requests], dtype=torch.float32, device=dev),
-            "seed": torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev),
-        }
-
-    def _next_tokens(self, logits: torch.Tensor, b: int, step: int, params: dict) -> torch.Tensor:
-        """Guidance on rows [cond ; uncond] and sampling -> ids [b]."""
-        n = self.cfg.num_tokens
-        codes = self.cfg.gpt.shape_model_vocab_size
-        logits = logits[:, :codes]  # BOS/EOS/PAD are never sampled
-        steps = torch.full((b,), step, dtype=torch.int64, device=self.device)
-        guided = apply_guidance(logits[:b], logits[b:], guidance_weights(params["scale"], steps, n))
-        return sample(guided, params["greedy"], params["temperature"], params["top_p"], params["seed"], steps)
-
     @torch.no_grad()
     def generate_tokens(self, requests: list[GenerationRequest],
                         on_step: Callable[[int], None] | None = None,
                         return_logits: bool = False):
-        """Shape token ids [B, N] for a batch of requests, with the KV cache.
+        """Shape token ids [B, N] for a batch of requests, with the KV cache, all in one batch.
 
         With `return_logits`, also the guided fp32 logits [B, N, codes] of every step.
         """
         self.validate(requests)
-        b, n = len(requests), self.cfg.num_tokens
-        cache = KVCache(self.cfg, rows=2 * b, device=self.device, dtype=self.dtype,
-                        single_block_mode=self.single_block_mode)
-        cond = self._condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
-        cache.set_condition(slice(0, b), prefill_condition(self.gpt, cond, self.dtype))
-        cache.set_condition(slice(b, 2 * b), self.uncond_kv)
-        params = self._sampling_tensors(requests)
-
-        tokens = torch.empty(b, n, dtype=torch.int64, device=self.device)
+        pool = SlotPool(self, max_objects=len(requests))
+        pool.admit(requests)
         all_logits = []
-        bos = torch.full((2 * b,), self.cfg.gpt.bos_id, dtype=torch.int64, device=self.device)
-        x = self.gpt.embed_tokens(bos)
-        for step in range(n):
-            positions = torch.full((2 * b,), step, dtype=torch.int64, device=self.device)
-            logits = decode_step(self.gpt, cache, x, positions, live=step + 1, uniform=True)
-            ids = self._next_tokens(logits, b, step, params)
+        for step in range(self.cfg.num_tokens):
+            out = pool.step(return_logits=return_logits)
             if return_logits:
-                codes = self.cfg.gpt.shape_model_vocab_size
-                g = guidance_weights(params["scale"], torch.full((b,), step, device=self.device), n)
-                all_logits.append(apply_guidance(logits[:b, :codes], logits[b:, :codes], g))
-            tokens[:, step] = ids
-            x = self.gpt.embed_tokens(ids.repeat(2))
+                all_logits.append(out.guided_logits)
             if on_step is not None:
                 on_step(step + 1)
+        tokens = pool.tokens.clone()
         return (tokens, torch.stack(all_logits, dim=1)) if return_logits else tokens
 
     @torch.no_grad()
@@ -162,19 +129,24 @@ class Engine:
         self.validate(requests)
         b, n = len(requests), self.cfg.num_tokens
         codes = self.cfg.gpt.shape_model_vocab_size
-        cond = self._condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
-        uncond = self._condition([""] * b, [None] * b)
+        cond = self.condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
+        uncond = self.condition([""] * b, [None] * b)
         cond_rows = torch.cat([cond, uncond], dim=0)
-        params = self._sampling_tensors(requests)
-        seq = torch.full((2 * b, 1), self.cfg.gpt.bos_id, dtype=torch.int64, device=self.device)
+        dev = self.device
+        scale = torch.tensor([r.guidance_scale for r in requests], device=dev)
+        greedy = torch.tensor([r.greedy for r in requests], device=dev)
+        temperature = torch.tensor([r.temperature or 1.0 for r in requests], device=dev)
+        top_p = torch.tensor([r.top_p if r.top_p is not None else 1.0 for r in requests], device=dev)
+        seed = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev)
+        seq = torch.full((2 * b, 1), self.cfg.gpt.bos_id, dtype=torch.int64, device=dev)
         tokens, all_logits = [], []
         for step in range(n):
             logits = self.gpt.forward_uncached(self.gpt.embed_tokens(seq), cond_rows, self.single_block_mode,
-                                               compute_dtype=self.dtype)[:, -1]
-            ids = self._next_tokens(logits, b, step, params)
-            if return_logits:
-                g = guidance_weights(params["scale"], torch.full((b,), step, device=self.device), n)
-                all_logits.append(apply_guidance(logits[:b, :codes], logits[b:, :codes], g))
+                                               compute_dtype=self.dtype)[:, -1, :codes]
+            steps = torch.full((b,), step, dtype=torch.int64, device=dev)
+            guided = apply_guidance(logits[:b], logits[b:], guidance_weights(scale, steps, n))
+            ids = sample(guided, greedy, temperature, top_p, seed, steps)
+            all_logits.append(guided)
             tokens.append(ids)
             seq = torch.cat([seq, ids.repeat(2)[:, None]], dim=1)
         tokens = torch.stack(tokens, dim=1)

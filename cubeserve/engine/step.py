@@ -40,13 +40,15 @@ def decode_step(gpt: DualStreamGPT, cache: KVCache, x: torch.Tensor, positions: 
                 live: int, uniform: bool) -> torch.Tensor:
     """One shape token per row: x [R, D] (fp32 embeddings) at `positions` [R] -> logits [R, V].
 
-    `live` (host int) = 1 + the largest position in the batch: attention reads only the first
-    S + live cache slots. With `uniform` (every row at the same position) no mask is needed.
+    Runs cache rows 0..R-1. `live` (host int) = 1 + the largest position in the batch:
+    attention reads only the first S + live cache slots. With `uniform` (every row at the same
+    position) no mask is needed.
     """
     cfg = gpt.cfg
     eps = cfg.eps
     s = cache.cond_len
-    rows = torch.arange(x.shape[0], device=x.device)
+    n_rows = x.shape[0]
+    row_ids = torch.arange(n_rows, device=x.device)
     dtype = cache.dual_k[0].dtype
     x = x.float()[:, None, :]  # [R, 1, D]
     cos, sin = gpt.rope(positions[:, None])  # [R, 1, hd/2]
@@ -56,15 +58,15 @@ def decode_step(gpt: DualStreamGPT, cache: KVCache, x: torch.Tensor, positions: 
     for layer, block in enumerate(gpt.transformer.dual_blocks):
         q, k, v = block.attn.pre_x(layer_norm(x, eps))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kc, vc = cache.dual_k[layer], cache.dual_v[layer]
-        kc[rows, :, s + positions] = k[:, :, 0].to(dtype)
-        vc[rows, :, s + positions] = v[:, :, 0].to(dtype)
+        kc, vc = cache.dual_k[layer][:n_rows], cache.dual_v[layer][:n_rows]
+        kc[row_ids, :, s + positions] = k[:, :, 0].to(dtype)
+        vc[row_ids, :, s + positions] = v[:, :, 0].to(dtype)
         y = attention(q.to(dtype), kc[:, :, : s + live], vc[:, :, : s + live], mask=dual_mask)
         x = block.post_1(x, merge_heads(y))
 
     for layer, block in enumerate(gpt.transformer.single_blocks):
         h = layer_norm(x, eps)
-        vcache = cache.single_v[layer]
+        vcache = cache.single_v[layer][:n_rows]
         if cache.single_block_mode == "reference":
             # The reference's cached decode lets every query see slot 0 only (BOS), so the
             # attention output is BOS's value: kept from the row's position-0 step. Computing
@@ -75,9 +77,9 @@ def decode_step(gpt: DualStreamGPT, cache: KVCache, x: torch.Tensor, positions: 
         else:
             q, k, v = block.attn.qkv(h)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kc = cache.single_k[layer]
-            kc[rows, :, positions] = k[:, :, 0].to(dtype)
-            vcache[rows, :, positions] = v[:, :, 0].to(dtype)
+            kc = cache.single_k[layer][:n_rows]
+            kc[row_ids, :, positions] = k[:, :, 0].to(dtype)
+            vcache[row_ids, :, positions] = v[:, :, 0].to(dtype)
             mask = None if uniform else (slots[None, :live] <= positions[:, None])[:, None, None, :]
             y = attention(q.to(dtype), kc[:, :, :live], vcache[:, :, :live], mask=mask)
         x = block.update(x, merge_heads(y.to(dtype)))

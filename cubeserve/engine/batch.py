@@ -1,0 +1,118 @@
+"""Objects in flight: a pool of KV-cache slots that requests join and leave between steps.
+
+One slot is one object and owns two adjacent cache rows, 2s (conditional) and 2s + 1
+(unconditional), so the rows of slots 0..k-1 are one contiguous range and guidance is a view.
+Each row has its own position: a request admitted mid-generation starts at BOS while the
+others go on (continuous batching). A step runs rows 0..2k-1, where k is one past the highest
+busy slot; admission fills the lowest free slots so k stays small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cubeserve.engine.cache import KVCache
+from cubeserve.engine.requests import GenerationRequest
+from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
+from cubeserve.engine.step import decode_step, prefill_condition
+
+
+@dataclass
+class StepOutput:
+    finished: list[int]  # slots whose N tokens are complete (still holding their tokens)
+    guided_logits: torch.Tensor | None  # [k, codes] of this step, when asked for
+
+
+class SlotPool:
+    def __init__(self, engine, max_objects: int):
+        cfg = engine.cfg
+        self.engine = engine
+        self.max_objects = max_objects
+        self.num_tokens = cfg.num_tokens
+        self.codes = cfg.gpt.shape_model_vocab_size
+        dev = engine.device
+        rows = 2 * max_objects
+        self.cache = KVCache(cfg, rows=rows, device=dev, dtype=engine.dtype,
+                             single_block_mode=engine.single_block_mode)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.x = torch.zeros(rows, cfg.gpt.n_embd, dtype=torch.float32, device=dev)  # next inputs
+        self.tokens = torch.zeros(max_objects, cfg.num_tokens, dtype=torch.int64, device=dev)
+        self.scale = torch.zeros(max_objects, dtype=torch.float32, device=dev)
+        self.greedy = torch.ones(max_objects, dtype=torch.bool, device=dev)
+        self.temperature = torch.ones(max_objects, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(max_objects, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(max_objects, dtype=torch.int64, device=dev)
+        self.generated: list[int | None] = [None] * max_objects  # host: tokens so far; None = free
+        self._bos = engine.gpt.embed_tokens(torch.tensor([cfg.gpt.bos_id], device=dev))[0]
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [s for s, g in enumerate(self.generated) if g is None]
+
+    @property
+    def busy_slots(self) -> list[int]:
+        return [s for s, g in enumerate(self.generated) if g is not None]
+
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        """Prefill `requests` (already validated) into the lowest free slots; returns the slots."""
+        free = self.free_slots
+        if len(requests) > len(free):
+            raise RuntimeError(f"{len(requests)} requests but only {len(free)} free slots")
+        slots = free[: len(requests)]
+        engine = self.engine
+        cond = engine.condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
+        cond_kv = prefill_condition(engine.gpt, cond, engine.dtype)
+        for i, (s, r) in enumerate(zip(slots, requests)):
+            self.cache.set_condition(slice(2 * s, 2 * s + 1), [(k[i: i + 1], v[i: i + 1]) for k, v in cond_kv])
+            self.cache.set_condition(slice(2 * s + 1, 2 * s + 2), engine.uncond_kv)
+            self.positions[2 * s: 2 * s + 2] = 0
+            self.x[2 * s: 2 * s + 2] = self._bos
+            self.scale[s] = r.guidance_scale
+            self.greedy[s] = r.greedy
+            self.temperature[s] = r.temperature or 1.0
+            self.top_p[s] = r.top_p if r.top_p is not None else 1.0
+            self.seed[s] = r.seed
+            self.generated[s] = 0
+        return slots
+
+    def release(self, slot: int) -> None:
+        self.generated[slot] = None
+
+    # -- one step for every busy slot ------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, return_logits: bool = False) -> StepOutput:
+        busy = self.busy_slots
+        if not busy:
+            return StepOutput([], None)
+        k = busy[-1] + 1
+        rows = 2 * k
+        steps_host = [self.generated[s] for s in range(k)]
+        live = max(g for g in steps_host if g is not None) + 1
+        uniform = all(g == steps_host[0] for g in steps_host)  # no free slot inside, same position
+        logits = decode_step(self.engine.gpt, self.cache, self.x[:rows], self.positions[:rows],
+                             live=live, uniform=uniform)
+        pair = logits[:, : self.codes].view(k, 2, self.codes)
+        step = self.positions[0:rows:2]
+        guided = apply_guidance(pair[:, 0], pair[:, 1], guidance_weights(self.scale[:k], step, self.num_tokens))
+        ids = sample(guided, self.greedy[:k], self.temperature[:k], self.top_p[:k], self.seed[:k], step)
+
+        # Free slots inside the range computed garbage: keep it out of tokens and positions.
+        busy_mask = torch.tensor([g is not None for g in steps_host], device=ids.device)
+        slot_ids = torch.arange(k, device=ids.device)
+        current = self.tokens[slot_ids, step]
+        self.tokens[slot_ids, step] = torch.where(busy_mask, ids, current)
+        self.x[:rows] = self.engine.gpt.embed_tokens(ids.repeat_interleave(2))
+        advance = busy_mask & (step < self.num_tokens - 1)
+        self.positions[:rows] += advance.repeat_interleave(2).long()
+
+        finished = []
+        for s in busy:
+            self.generated[s] += 1
+            if self.generated[s] == self.num_tokens:
+                finished.append(s)
+        return StepOutput(finished, guided if return_logits else None)
