@@ -4,15 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= a round wooden table
-DEMO_WEIGHTS ?= weights/tiny
 
-.PHONY: install test demo weights clean
+.PHONY: install test serve demo clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]"  # includes the Triton server wheel and its client
 	touch $@
 
 install: $(VENV)/.installed
@@ -20,16 +19,15 @@ install: $(VENV)/.installed
 test: install
 	$(PY) -m pytest -q
 
-$(DEMO_WEIGHTS)/config.yaml: | install
-	$(VENV)/bin/cubeserve weights init --config tiny --seed 0 --out $(DEMO_WEIGHTS)
+# The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
+# tiny random demo weights are written into the version directories on first use.
+serve: install
+	$(VENV)/bin/cubeserve serve
 
-weights: $(DEMO_WEIGHTS)/config.yaml
-
-# Until the Triton model lands, the demo runs the engine in process.
-demo: install weights
-	mkdir -p outputs
-	$(VENV)/bin/cubeserve generate "$(PROMPT)" --weights $(DEMO_WEIGHTS) --resolution 6 \
-		--out outputs/demo.glb --preview outputs/demo.png --save-tokens outputs/demo_tokens.json
+# Starts the server, generates through the client, writes outputs/demo.glb and outputs/demo.png,
+# prints the timings and stops the server.
+demo: install
+	$(VENV)/bin/cubeserve demo --prompt "$(PROMPT)" --out outputs/demo.glb
 
 clean:
-	rm -rf outputs weights
+	rm -rf outputs triton_models/*/[0-9]*/weights

@@ -42,9 +42,10 @@ def cmd_generate(args) -> int:
     if args.save_tokens:
         Path(args.save_tokens).write_text(json.dumps(result.tokens))
     if args.preview:
-        from cubeserve.engine.geometry import render_preview
+        from cubeserve.preview import render_preview
 
-        Path(args.preview).write_bytes(render_preview(result.mesh))
+        mesh = result.mesh
+        Path(args.preview).write_bytes(render_preview(mesh.vertices, mesh.faces, message=mesh.message))
     n = len(result.tokens)
     print(f"prompt: {args.prompt!r}  device: {engine.device}  dtype: {args.dtype}  tokens: {n}")
     print(f"time per output token: {timings['time_per_token_s'] * 1e3:.2f} ms")
@@ -79,6 +80,55 @@ def cmd_weights_check(args) -> int:
 
     cfg, _, _ = validate_dir(args.weights)
     print(f"{args.weights}: valid {cfg.name} checkpoint ({cfg.num_tokens} shape tokens, bbox={cfg.gpt.use_bbox})")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights
+
+    repo = Path(args.model_repository) if args.model_repository else MODEL_REPOSITORY
+    ensure_demo_weights(repo)
+    server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True)
+    server.start(timeout=args.timeout)
+    print(f"tritonserver (pid {server.process.pid}) ready: REST {server.http_url}, gRPC {server.grpc_url}, "
+          f"metrics {server.metrics_url}; Ctrl-C stops it", flush=True)
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Start the local Triton server, generate through the client, write the mesh and a PNG,
+    print the timings, stop the server."""
+    from cube3d_client import Cube3DClient
+    from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights, free_port
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ensure_demo_weights(MODEL_REPOSITORY)
+    server = LocalTriton(MODEL_REPOSITORY, free_port(), free_port(), free_port(),
+                         log_path=out.parent / "tritonserver.log")
+    t0 = time.perf_counter()
+    server.start()
+    print(f"tritonserver ready on 127.0.0.1 in {time.perf_counter() - t0:.1f} s "
+          f"(log: {server.log_path})", flush=True)
+    try:
+        with Cube3DClient(server.http_url, "http", timeout=600) as client:
+            result = client.generate(args.prompt, seed=args.seed, resolution=args.resolution)
+    finally:
+        server.stop()
+    result.save(out)
+    preview = out.with_suffix(".png")
+    preview.write_bytes(result.preview_png())
+    t = result.timings
+    print(f"prompt: {args.prompt!r} -> {out} ({result.num_vertices} vertices, {result.num_faces} faces), {preview}")
+    print(f"time per output token {t['time_per_token_s'] * 1e3:.2f} ms | queue {t['queue_s']:.3f} s | "
+          f"tokens {t['tokens_s']:.3f} s | geometry {t['geometry_s']:.3f} s | server {t['total_s']:.3f} s | "
+          f"round trip {result.client_seconds:.3f} s")
     return 0
 
 
@@ -121,6 +171,21 @@ def build_parser() -> argparse.ArgumentParser:
     wc = wsub.add_parser("check", help="validate a weights directory without loading it")
     wc.add_argument("weights")
     wc.set_defaults(func=cmd_weights_check)
+
+    s = sub.add_parser("serve", help="run the local Triton server on 127.0.0.1 with triton_models/")
+    s.add_argument("--model-repository")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("demo", help="local Triton server + client: prompt -> outputs/demo.glb and .png")
+    d.add_argument("--prompt", default="a round wooden table")
+    d.add_argument("--out", default="outputs/demo.glb")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--resolution", type=int, default=6)
+    d.set_defaults(func=cmd_demo)
     return p
 
 

@@ -1,6 +1,19 @@
-"""The generation engine: requests, KV cache, cached decode, sampling and geometry."""
+"""The generation engine: requests, KV cache, cached decode, sampling, batching and geometry.
 
-from cubeserve.engine.engine import Engine, GenerationResult
-from cubeserve.engine.requests import GenerationRequest, InvalidRequest
+Names are imported lazily so that torch-free users (the request/protocol code in the client
+and in the predict-API model) do not pay for importing torch.
+"""
 
 __all__ = ["Engine", "GenerationResult", "GenerationRequest", "InvalidRequest"]
+
+
+def __getattr__(name):
+    if name in ("Engine", "GenerationResult"):
+        from cubeserve.engine import engine
+
+        return getattr(engine, name)
+    if name in ("GenerationRequest", "InvalidRequest"):
+        from cubeserve.engine import requests
+
+        return getattr(requests, name)
+    raise AttributeError(name)

@@ -7,7 +7,6 @@ sample count, not the cell count), and triangles are wound (2, 1, 0).
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,34 +72,3 @@ def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int) -> Mesh:
     vertices = vertices / grid_size(resolution) * (hi - lo) + lo
     faces = np.ascontiguousarray(faces[:, [2, 1, 0]])
     return Mesh(vertices=vertices.astype(np.float32), faces=faces.astype(np.int64))
-
-
-def render_preview(mesh: Mesh, size: int = 512) -> bytes:
-    """A PNG of the mesh, flat-shaded with a fixed light, drawn with numpy and Pillow only."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", (size, size), (245, 245, 245))
-    if mesh.empty:
-        ImageDraw.Draw(img).text((10, 10), mesh.message or "empty mesh", fill=(120, 0, 0))
-    else:
-        v, f = mesh.vertices.astype(np.float64), mesh.faces
-        # A three-quarter view: rotate about y, then tilt about x.
-        ay, ax = np.radians(35.0), np.radians(-25.0)
-        ry = np.array([[np.cos(ay), 0, np.sin(ay)], [0, 1, 0], [-np.sin(ay), 0, np.cos(ay)]])
-        rx = np.array([[1, 0, 0], [0, np.cos(ax), -np.sin(ax)], [0, np.sin(ax), np.cos(ax)]])
-        p = v @ (rx @ ry).T
-        tri = p[f]
-        normals = np.cross(tri[:, 1] - tri[:, 0], tri[:, 2] - tri[:, 0])
-        normals /= np.linalg.norm(normals, axis=1, keepdims=True) + 1e-12
-        light = np.array([0.3, 0.5, 0.8]) / np.linalg.norm([0.3, 0.5, 0.8])
-        shade = np.abs(normals @ light) * 0.75 + 0.25
-        scale = 0.9 * size / max(np.ptp(p[:, 0]), np.ptp(p[:, 1]), 1e-6)
-        center = (p[:, :2].max(0) + p[:, :2].min(0)) / 2
-        xy = (p[:, :2] - center) * scale * np.array([1, -1]) + size / 2
-        draw = ImageDraw.Draw(img)
-        for i in np.argsort(tri[:, :, 2].mean(axis=1)):  # painter's algorithm: far to near
-            c = int(60 + 170 * shade[i])
-            draw.polygon([tuple(xy[j]) for j in f[i]], fill=(c // 2, c // 2 + 20, c))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()

@@ -67,6 +67,7 @@ class EngineStats:
 class Ticket:
     request: GenerationRequest
     on_progress: Callable[[int], None] | None = None
+    client_gone: Callable[[], bool] | None = None  # polled between steps; True cancels
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
@@ -79,6 +80,8 @@ class Ticket:
 
     @property
     def cancelled(self) -> bool:
+        if not self._cancel.is_set() and self.client_gone is not None and self.client_gone():
+            self._cancel.set()
         return self._cancel.is_set()
 
     def result(self, timeout: float | None = None) -> GenerationResult:
@@ -124,10 +127,12 @@ class Scheduler:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def submit(self, request: GenerationRequest, on_progress: Callable[[int], None] | None = None) -> Ticket:
-        """Validate (raising InvalidRequest at once) and queue a request."""
+    def submit(self, request: GenerationRequest, on_progress: Callable[[int], None] | None = None,
+               client_gone: Callable[[], bool] | None = None) -> Ticket:
+        """Validate (raising InvalidRequest at once) and queue a request. `on_progress(tokens)`
+        is called on the decode thread after each step; `client_gone()` is polled there too."""
         self.engine.validate([request])
-        ticket = Ticket(request, on_progress)
+        ticket = Ticket(request, on_progress, client_gone)
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the engine is stopping")
@@ -168,11 +173,15 @@ class Scheduler:
             self.stats.on_admit(now - ticket.submitted)
 
     def _drop_cancelled(self) -> None:
+        dropped = False
         for slot, ticket in list(self._slots.items()):
             if ticket.cancelled:
                 self.pool.release(slot)
                 del self._slots[slot]
                 ticket.future.set_exception(CancelledError())
+                dropped = True
+        if dropped:
+            self.stats.on_in_flight(len(self._slots))
 
     def _decode_loop(self) -> None:
         while True:

@@ -1,0 +1,229 @@
+"""Cube3DClient: prompt in, mesh out, over the KServe predict API (Open Inference Protocol v2).
+
+REST (`POST /v2/models/cube3d/infer`) and gRPC (ModelInfer) through `tritonclient`; with a
+progress callback the request goes to the streaming entry point (`cube3d_stream`, a gRPC
+stream) and each intermediate response reports the tokens generated so far. A KServe
+InferenceService is reached through its ingress with the service's host name (`host`), the
+model name and optionally the version. Connection failures are retried with backoff; errors
+from the model (bad input, failed generation) are not.
+
+One client per thread: tritonclient's HTTP client is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from cubeserve.serving.protocol import INPUTS
+
+_DTYPES = {"bytes": "BYTES", "int": None, "float": "FP32", "bool": "BOOL"}
+_INT_DTYPES = {"SEED": ("INT64", np.int64), "RESOLUTION": ("INT32", np.int32)}
+
+
+class ServerError(RuntimeError):
+    """The server answered with an error (bad input: `status` 400 / INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, status: str | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class MeshResult:
+    mesh: bytes
+    format: str
+    tokens: np.ndarray
+    num_vertices: int
+    num_faces: int
+    timings: dict = field(default_factory=dict)
+    client_seconds: float = 0.0
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.mesh)
+        return path
+
+    def preview_png(self, size: int = 512) -> bytes:
+        from cubeserve.preview import render_mesh_file
+
+        return render_mesh_file(self.mesh, self.format, size)
+
+
+def _is_connection_error(exc: Exception) -> bool:
+    if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
+        return True
+    status = str(getattr(exc, "status", lambda: None)() or "")
+    return "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status
+
+
+class Cube3DClient:
+    def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = "cube3d",
+                 stream_model: str = "cube3d_stream", model_version: str = "", host: str | None = None,
+                 timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False):
+        if protocol not in ("http", "grpc"):
+            raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
+        self.url, self.protocol, self.model, self.stream_model = url, protocol, model, stream_model
+        self.model_version, self.host = model_version, host
+        self.timeout, self.retries, self.backoff, self.ssl = timeout, retries, backoff, ssl
+        self._client = None
+
+    # -- transport ------------------------------------------------------------------------------
+
+    def _module(self):
+        if self.protocol == "http":
+            import tritonclient.http as module
+        else:
+            import tritonclient.grpc as module
+        return module
+
+    def _connect(self):
+        if self._client is None:
+            module = self._module()
+            if self.protocol == "http":
+                self._client = module.InferenceServerClient(
+                    self.url, ssl=self.ssl, connection_timeout=min(60.0, self.timeout), network_timeout=self.timeout)
+            else:
+                # KServe routes gRPC by authority: send the service host name as :authority.
+                args = {"grpc.default_authority": self.host} if self.host else None
+                self._client = module.InferenceServerClient(self.url, ssl=self.ssl, channel_args=(
+                    list(args.items()) if args else None))
+        return self._client
+
+    def _headers(self) -> dict | None:
+        return {"Host": self.host} if self.host and self.protocol == "http" else None
+
+    def _inputs(self, values: dict):
+        module = self._module()
+        tensors = []
+        for name, value in values.items():
+            if value is None:
+                continue
+            kind = INPUTS[name][1]
+            if kind == "bytes":
+                dtype, array = "BYTES", np.array([str(value).encode("utf-8")], dtype=np.object_)
+            elif name in _INT_DTYPES:
+                dtype, np_type = _INT_DTYPES[name]
+                array = np.array([int(value)], dtype=np_type)
+            elif kind == "float":
+                dtype, array = "FP32", np.asarray(value, dtype=np.float32).reshape(-1)
+            else:
+                dtype, array = "BOOL", np.array([bool(value)])
+            tensor = module.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        return tensors
+
+    def _with_retries(self, call: Callable):
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except Exception as exc:  # noqa: BLE001 - classify below
+                if attempt < self.retries and _is_connection_error(exc):
+                    self._client = None  # reconnect
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise self._as_server_error(exc) from exc
+
+    @staticmethod
+    def _as_server_error(exc: Exception) -> Exception:
+        from tritonclient.utils import InferenceServerException
+
+        if isinstance(exc, InferenceServerException):
+            return ServerError(exc.message(), str(exc.status()))
+        return exc
+
+    # -- API ------------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        try:
+            client = self._connect()
+            kwargs = {"headers": self._headers()} if self.protocol == "http" else {}
+            return bool(client.is_model_ready(self.model, self.model_version, **kwargs))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def generate(self, prompt: str, *, seed: int | None = None, guidance_scale: float | None = None,
+                 top_p: float | None = None, temperature: float | None = None, resolution: int | None = None,
+                 bbox: tuple[float, float, float] | None = None, format: str = "glb",
+                 on_progress: Callable[[int], None] | None = None) -> MeshResult:
+        values = {"PROMPT": prompt, "SEED": seed, "GUIDANCE_SCALE": guidance_scale, "TOP_P": top_p,
+                  "TEMPERATURE": temperature, "RESOLUTION": resolution, "BBOX": bbox, "FORMAT": format}
+        start = time.perf_counter()
+        if on_progress is not None:
+            if self.protocol != "grpc":
+                raise ValueError("progress streaming needs protocol='grpc'")
+            result = self._with_retries(lambda: self._stream(values, on_progress))
+        else:
+            result = self._with_retries(lambda: self._infer(values))
+        out = self._result(result, format)
+        out.client_seconds = time.perf_counter() - start
+        return out
+
+    def _infer(self, values: dict):
+        client = self._connect()
+        if self.protocol == "http":
+            return client.infer(self.model, self._inputs(values), model_version=self.model_version,
+                                headers=self._headers(), timeout=int(self.timeout * 1e6))
+        return client.infer(self.model, self._inputs(values), model_version=self.model_version,
+                            client_timeout=self.timeout)
+
+    def _stream(self, values: dict, on_progress: Callable[[int], None]):
+        client = self._connect()
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)),
+                            stream_timeout=self.timeout)
+        try:
+            client.async_stream_infer(self.stream_model, self._inputs({**values, "STREAM_PROGRESS": True}),
+                                      model_version=self.model_version, enable_empty_final_response=True)
+            final = None
+            deadline = time.monotonic() + self.timeout
+            while True:
+                result, error = responses.get(timeout=max(0.1, deadline - time.monotonic()))
+                if error is not None:
+                    raise error
+                response = result.get_response()
+                names = {o.name for o in response.outputs}
+                if "MESH" in names:
+                    final = result
+                elif "PROGRESS" in names:
+                    on_progress(int(result.as_numpy("PROGRESS")[0]))
+                if response.parameters.get("triton_final_response") and \
+                        response.parameters["triton_final_response"].bool_param:
+                    break
+            if final is None:
+                raise ServerError("the stream ended without a mesh (cancelled?)")
+            return final
+        finally:
+            client.stop_stream()
+
+    @staticmethod
+    def _result(result, format: str) -> MeshResult:
+        return MeshResult(
+            mesh=bytes(result.as_numpy("MESH")[0]),
+            format=format,
+            tokens=result.as_numpy("SHAPE_TOKENS"),
+            num_vertices=int(result.as_numpy("NUM_VERTICES")[0]),
+            num_faces=int(result.as_numpy("NUM_FACES")[0]),
+            timings=json.loads(result.as_numpy("TIMINGS")[0]),
+        )
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> "Cube3DClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

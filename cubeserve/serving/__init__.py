@@ -1,0 +1,1 @@
+"""Serving glue: the Open Inference Protocol tensors, the Triton models and a local server."""

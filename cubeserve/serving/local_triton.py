@@ -1,0 +1,161 @@
+"""Run the real Triton Inference Server that ships in the `nvidia-pytriton` wheel, on
+127.0.0.1, with this project's model repository: for `make serve`, `make demo` and the tests.
+
+The wheel carries `tritonserver` and the python backend; the backend's stub for this Python
+version must sit next to the backend once, and the stub finds packages through the `python3`
+first on PATH (it ignores PYTHONPATH), so the running interpreter's `bin` goes first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_REPOSITORY = REPO_ROOT / "triton_models"
+
+
+def tritonserver_home() -> Path:
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise RuntimeError("Triton is not installed: pip install 'nvidia-pytriton==0.7.0'") from exc
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def prepare_python_backend(home: Path) -> None:
+    """Put the python backend stub for this Python next to the backend (once)."""
+    target = home / "backends" / "python" / "triton_python_backend_stub"
+    if not target.exists():
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        source = home / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not source.exists():
+            raise RuntimeError(f"the Triton wheel has no python backend stub for Python {version}")
+        shutil.copy2(source, target)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalTriton:
+    """A tritonserver process bound to 127.0.0.1, stopped by its PID."""
+
+    def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = 8000,
+                 grpc_port: int = 8001, metrics_port: int = 8002, log_path: str | Path | None = None,
+                 extra_args: tuple[str, ...] = (), verbose: bool = False):
+        self.model_repository = Path(model_repository)
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.log_path = Path(log_path) if log_path else None
+        self.extra_args = tuple(extra_args)
+        self.verbose = verbose
+        self.process: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        home = tritonserver_home()
+        return [
+            str(home / "bin" / "tritonserver"),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={home / 'backends'}",
+            "--http-address=127.0.0.1", f"--http-port={self.http_port}",
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+            "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
+            "--disable-auto-complete-config",
+            *self.extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        # The stub embeds libpython; prefer this interpreter's own library where it has one.
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if libdir and Path(libdir).is_dir():
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        return env
+
+    def start(self, timeout: float = 300.0) -> "LocalTriton":
+        prepare_python_backend(tritonserver_home())
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "wb")
+            out = self._log_file
+        else:
+            out = None if self.verbose else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=out,
+                                        stderr=subprocess.STDOUT if out is not None else None)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode}" + self._log_tail())
+            if self.ready():
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"tritonserver was not ready within {timeout:.0f} s" + self._log_tail())
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, ConnectionError, OSError):
+            return False
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self._log_file:
+            self._log_file.close()
+
+    def _log_tail(self, lines: int = 30) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n--- tritonserver log (tail) ---\n" + "\n".join(text)
+
+    def __enter__(self) -> "LocalTriton":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ensure_demo_weights(model_repository: Path = MODEL_REPOSITORY, config: str = "tiny", seed: int = 0) -> Path:
+    """Random tiny weights for every `cube3d_stream` version directory that has none."""
+    from cubeserve.checkpoint import write_random_weights
+
+    written = None
+    for version_dir in sorted((model_repository / "cube3d_stream").iterdir()):
+        if version_dir.is_dir() and version_dir.name.isdigit() and not (version_dir / "weights").exists():
+            written = write_random_weights(config, version_dir / "weights", seed=seed + int(version_dir.name) - 1)
+    return written or model_repository / "cube3d_stream"
