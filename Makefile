@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= a round wooden table
 
-.PHONY: install test serve demo clean
+.PHONY: install test serve demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ serve: install
 # prints the timings and stops the server.
 demo: install
 	$(VENV)/bin/cubeserve demo --prompt "$(PROMPT)" --out outputs/demo.glb
+
+# Benchmarks on whatever device is present: BENCHMARKS.md tables and bench/results.json.
+bench: install
+	$(PY) -m bench
 
 clean:
 	rm -rf outputs triton_models/*/[0-9]*/weights

@@ -246,3 +246,80 @@ def test_custom_metrics_are_exported(server):
     names = {k.split("/")[0] for k in metrics(server)}
     assert {"cube3d_tokens_generated_total", "cube3d_objects_in_flight", "cube3d_time_per_output_token_seconds",
             "cube3d_queue_seconds_total", "cube3d_decode_steps_total"} <= names
+
+
+def test_client_command_with_progress_bar_and_preview(server, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "cube3d-client"
+    out = tmp_path / "lamp.obj"
+    proc = subprocess.run([str(exe), "a lamp", "--url", server.grpc_url, "--protocol", "grpc", "--progress",
+                           "--model-version", "1", "--resolution", "4", "--out", str(out),
+                           "--preview", str(tmp_path / "lamp.png")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{TINY.num_tokens}/" in proc.stderr or f"{TINY.num_tokens}tok" in proc.stderr  # the tqdm bar
+    assert "time per output token" in proc.stdout
+    assert len(trimesh.load(out, force="mesh").faces) > 0
+    assert (tmp_path / "lamp.png").read_bytes().startswith(b"\x89PNG")
+    bad = subprocess.run([str(exe), "x", "--url", server.http_url, "--top-p", "3"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "TOP_P: must be a number in (0, 1]" in bad.stderr
+
+
+def test_client_retries_connection_errors_then_gives_up():
+    port = free_port()  # nothing listens here
+    client = Cube3DClient(f"127.0.0.1:{port}", "http", retries=2, backoff=0.2, timeout=5)
+    start = time.monotonic()
+    with pytest.raises(Exception) as err:
+        client.generate("a chair")
+    assert time.monotonic() - start >= 0.2 + 0.4  # two retries with backoff
+    assert not isinstance(err.value, ServerError)
+
+
+def test_client_reaches_an_inference_service_through_an_ingress_by_host_header(server):
+    """A stand-in for KServe's ingress: routes by Host header to the right backend, as Knative
+    and Istio do, and refuses unknown hosts."""
+    import http.server
+
+    routes = {"cube3d.models.example.com": f"http://{server.http_url}"}
+    seen = []
+
+    class Ingress(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            host = self.headers.get("Host", "")
+            seen.append((host, self.path))
+            if host not in routes:
+                self.send_response(404)
+                self.end_headers()
+                return
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+            upstream = urllib.request.Request(routes[host] + self.path, data=body, headers=headers, method="POST")
+            with urllib.request.urlopen(upstream, timeout=60) as reply:
+                data = reply.read()
+                self.send_response(reply.status)
+                for k, v in reply.headers.items():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    ingress = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ingress)
+    thread = threading.Thread(target=ingress.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"127.0.0.1:{ingress.server_address[1]}"
+        with Cube3DClient(url, "http", host="cube3d.models.example.com", model_version="1") as client:
+            assert client.generate("a stool", resolution=4).num_faces > 0
+        with Cube3DClient(url, "http", host="unknown.example.com", retries=0) as client:
+            with pytest.raises(ServerError):
+                client.generate("a stool", resolution=4)
+    finally:
+        ingress.shutdown()
+    assert ("cube3d.models.example.com", "/v2/models/cube3d/versions/1/infer") in seen
