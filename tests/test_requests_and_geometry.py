@@ -110,3 +110,27 @@ def test_encoder_round_trip_on_tokenizer_output(make_engine):
     pts = torch.rand(1, 256, 3) * 2 - 1
     ids = tok.encode(pts, torch.nn.functional.normalize(pts, dim=-1))
     assert ids.shape == (1, 32) and int(ids.min()) >= 0 and int(ids.max()) < 64
+
+
+@pytest.mark.parametrize("resolution", [5, 7])
+@pytest.mark.parametrize("prompt", ["a chair", "a sailing boat"])
+def test_coarse_to_fine_gives_the_dense_mesh(make_engine, resolution, prompt):
+    engine = make_engine("tiny")
+    tokens = engine.generate_tokens([Req(prompt)])
+    latents = engine.tokenizer.decode_tokens(tokens)
+    dense = geometry.occupancy_grid(engine.tokenizer, latents, resolution)[0]
+    fast = geometry.occupancy_grid_coarse_to_fine(engine.tokenizer, latents, resolution, coarse_resolution=4)
+    assert torch.equal(torch.sign(fast), torch.sign(dense))  # same inside/outside everywhere
+    a, b = geometry.marching_cubes(dense, resolution), geometry.marching_cubes(fast, resolution)
+    assert len(a.vertices) == len(b.vertices) > 0 and len(a.faces) == len(b.faces)
+    np.testing.assert_allclose(a.vertices, b.vertices, atol=1e-5)
+
+
+def test_coarse_to_fine_queries_a_fraction_of_the_grid(make_engine, monkeypatch):
+    engine = make_engine("tiny")
+    latents = engine.tokenizer.decode_tokens(engine.generate_tokens([Req("a chair")]))
+    queried = []
+    real = geometry._query
+    monkeypatch.setattr(geometry, "_query", lambda tok, pts, lat, chunk: queried.append(len(pts)) or real(tok, pts, lat, chunk))
+    geometry.occupancy_grid_coarse_to_fine(engine.tokenizer, latents, 7, coarse_resolution=4)
+    assert sum(queried) < 0.5 * geometry.grid_size(7) ** 3

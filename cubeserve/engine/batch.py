@@ -5,10 +5,17 @@ One slot is one object and owns two adjacent cache rows, 2s (conditional) and 2s
 Each row has its own position: a request admitted mid-generation starts at BOS while the
 others go on (continuous batching). A step runs rows 0..2k-1, where k is one past the highest
 busy slot; admission fills the lowest free slots so k stays small.
+
+Everything a step needs lives in device tensors (inputs, positions, which slots are busy,
+sampling parameters, tokens), so a step is a fixed sequence of kernels with no host sync: on
+CUDA it is captured once per (slot bucket, cache-length bucket) as a CUDA graph
+(`cubeserve.engine.graphs`) and replayed; on the CPU it runs eagerly and trims the work to
+what the host knows is live.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,15 +25,18 @@ from cubeserve.engine.requests import GenerationRequest
 from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
 from cubeserve.engine.step import decode_step, prefill_condition
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class StepOutput:
     finished: list[int]  # slots whose N tokens are complete (still holding their tokens)
-    guided_logits: torch.Tensor | None  # [k, codes] of this step, when asked for
+    guided_logits: torch.Tensor | None  # [k, codes] of this step, when asked for (eager only)
 
 
 class SlotPool:
-    def __init__(self, engine, max_objects: int):
+    def __init__(self, engine, max_objects: int, graphs: bool = False,
+                 graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64), length_buckets: int = 4):
         cfg = engine.cfg
         self.engine = engine
         self.max_objects = max_objects
@@ -39,13 +49,21 @@ class SlotPool:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.x = torch.zeros(rows, cfg.gpt.n_embd, dtype=torch.float32, device=dev)  # next inputs
         self.tokens = torch.zeros(max_objects, cfg.num_tokens, dtype=torch.int64, device=dev)
+        self.busy = torch.zeros(max_objects, dtype=torch.bool, device=dev)
         self.scale = torch.zeros(max_objects, dtype=torch.float32, device=dev)
         self.greedy = torch.ones(max_objects, dtype=torch.bool, device=dev)
         self.temperature = torch.ones(max_objects, dtype=torch.float32, device=dev)
         self.top_p = torch.ones(max_objects, dtype=torch.float32, device=dev)
         self.seed = torch.zeros(max_objects, dtype=torch.int64, device=dev)
-        self.generated: list[int | None] = [None] * max_objects  # host: tokens so far; None = free
+        # Host mirrors: tokens generated so far per slot (None = free) and who samples.
+        self.generated: list[int | None] = [None] * max_objects
+        self._samples: list[bool] = [False] * max_objects
         self._bos = engine.gpt.embed_tokens(torch.tensor([cfg.gpt.bos_id], device=dev))[0]
+        self.graphs = None
+        if graphs:
+            from cubeserve.engine.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, graph_buckets, length_buckets)
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -76,13 +94,38 @@ class SlotPool:
             self.temperature[s] = r.temperature or 1.0
             self.top_p[s] = r.top_p if r.top_p is not None else 1.0
             self.seed[s] = r.seed
+            self.busy[s] = True
             self.generated[s] = 0
+            self._samples[s] = not r.greedy
         return slots
 
     def release(self, slot: int) -> None:
+        self.busy[slot] = False
         self.generated[slot] = None
+        self._samples[slot] = False
 
     # -- one step for every busy slot ------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute(self, k: int, live: int, uniform: bool, any_sampling: bool = True) -> torch.Tensor:
+        """The device work of one step for slots 0..k-1, with no host synchronisation:
+        decode, guidance, sampling, token write, next embeddings, positions. Free slots in the
+        range compute garbage that is kept out of tokens and positions. Returns guided logits."""
+        rows = 2 * k
+        logits = decode_step(self.engine.gpt, self.cache, self.x[:rows], self.positions[:rows],
+                             live=live, uniform=uniform)
+        pair = logits[:, : self.codes].view(k, 2, self.codes)
+        step = self.positions[0:rows:2]
+        guided = apply_guidance(pair[:, 0], pair[:, 1], guidance_weights(self.scale[:k], step, self.num_tokens))
+        ids = sample(guided, self.greedy[:k], self.temperature[:k], self.top_p[:k], self.seed[:k], step,
+                     any_sampling=any_sampling)
+        busy = self.busy[:k]
+        slot_ids = torch.arange(k, device=ids.device)
+        self.tokens[slot_ids, step] = torch.where(busy, ids, self.tokens[slot_ids, step])
+        self.x[:rows] = self.engine.gpt.embed_tokens(ids.repeat_interleave(2))
+        advance = busy & (step < self.num_tokens - 1)
+        self.positions[:rows] += advance.repeat_interleave(2).long()
+        return guided
 
     @torch.no_grad()
     def step(self, return_logits: bool = False) -> StepOutput:
@@ -90,26 +133,14 @@ class SlotPool:
         if not busy:
             return StepOutput([], None)
         k = busy[-1] + 1
-        rows = 2 * k
-        steps_host = [self.generated[s] for s in range(k)]
-        live = max(g for g in steps_host if g is not None) + 1
-        uniform = all(g == steps_host[0] for g in steps_host)  # no free slot inside, same position
-        logits = decode_step(self.engine.gpt, self.cache, self.x[:rows], self.positions[:rows],
-                             live=live, uniform=uniform)
-        pair = logits[:, : self.codes].view(k, 2, self.codes)
-        step = self.positions[0:rows:2]
-        guided = apply_guidance(pair[:, 0], pair[:, 1], guidance_weights(self.scale[:k], step, self.num_tokens))
-        ids = sample(guided, self.greedy[:k], self.temperature[:k], self.top_p[:k], self.seed[:k], step)
-
-        # Free slots inside the range computed garbage: keep it out of tokens and positions.
-        busy_mask = torch.tensor([g is not None for g in steps_host], device=ids.device)
-        slot_ids = torch.arange(k, device=ids.device)
-        current = self.tokens[slot_ids, step]
-        self.tokens[slot_ids, step] = torch.where(busy_mask, ids, current)
-        self.x[:rows] = self.engine.gpt.embed_tokens(ids.repeat_interleave(2))
-        advance = busy_mask & (step < self.num_tokens - 1)
-        self.positions[:rows] += advance.repeat_interleave(2).long()
-
+        progress = [self.generated[s] for s in range(k)]
+        live = max(g for g in progress if g is not None) + 1
+        guided = None
+        if self.graphs is not None and not return_logits:
+            self.graphs.replay(k, live)
+        else:
+            uniform = all(g == progress[0] for g in progress)  # no free slot inside, same position
+            guided = self.compute(k, live, uniform, any_sampling=any(self._samples[:k]))
         finished = []
         for s in busy:
             self.generated[s] += 1

@@ -153,12 +153,17 @@ class Engine:
         return (tokens, torch.stack(all_logits, dim=1)) if return_logits else tokens
 
     @torch.no_grad()
-    def tokens_to_meshes(self, tokens: torch.Tensor, resolutions: list[int],
+    def tokens_to_meshes(self, tokens: torch.Tensor, resolutions: list[int], coarse_to_fine: bool = True,
                          chunk_size: int = geometry.DEFAULT_CHUNK) -> list[geometry.Mesh]:
+        """Meshes of token sequences [B, N]; coarse-to-fine occupancy unless told to go dense."""
         latents = self.tokenizer.decode_tokens(tokens.to(self.device))
         meshes = []
         for i, res in enumerate(resolutions):
-            grid = geometry.occupancy_grid(self.tokenizer, latents[i: i + 1], res, chunk_size)[0]
+            if coarse_to_fine:
+                grid = geometry.occupancy_grid_coarse_to_fine(self.tokenizer, latents[i: i + 1], res,
+                                                              chunk_size=chunk_size)
+            else:
+                grid = geometry.occupancy_grid(self.tokenizer, latents[i: i + 1], res, chunk_size)[0]
             meshes.append(geometry.marching_cubes(grid, res))
         return meshes
 

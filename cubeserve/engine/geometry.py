@@ -14,6 +14,7 @@ import torch
 
 BOUNDS = (-1.05, 1.05)
 DEFAULT_CHUNK = 100_000
+COARSE_RESOLUTION = 5  # coarse-to-fine starts from a 33^3 grid
 
 
 @dataclass
@@ -39,23 +40,74 @@ def grid_size(resolution: int) -> int:
     return 2**resolution + 1
 
 
-def grid_points(resolution: int, device=None) -> torch.Tensor:
+def grid_axis(resolution: int, device=None) -> torch.Tensor:
+    return torch.linspace(BOUNDS[0], BOUNDS[1], grid_size(resolution), device=device)
+
+
+def grid_points(resolution: int, device=None, axis: torch.Tensor | None = None) -> torch.Tensor:
     """All grid sample positions [n^3, 3] in "ij" order (x slowest)."""
-    axis = torch.linspace(BOUNDS[0], BOUNDS[1], grid_size(resolution), device=device)
+    axis = grid_axis(resolution, device) if axis is None else axis
     return torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), dim=-1).view(-1, 3)
 
 
 @torch.no_grad()
-def occupancy_grid(tokenizer, latents: torch.Tensor, resolution: int, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """Occupancy logits [B, n, n, n] (fp32) for latents [B, N, width], queried in chunks."""
-    n = grid_size(resolution)
-    points = grid_points(resolution, latents.device)
+def _query(tokenizer, points: torch.Tensor, latents: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Occupancy logits [B, P] (fp32) of points [P, 3] for latents [B, N, width], in chunks."""
     b = latents.shape[0]
     out = torch.empty(b, points.shape[0], dtype=torch.float32, device=latents.device)
     for start in range(0, points.shape[0], chunk_size):
         chunk = points[start: start + chunk_size]
         out[:, start: start + chunk.shape[0]] = tokenizer.occupancy(chunk.unsqueeze(0).expand(b, -1, -1), latents)
-    return out.view(b, n, n, n)
+    return out
+
+
+@torch.no_grad()
+def occupancy_grid(tokenizer, latents: torch.Tensor, resolution: int, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Dense occupancy logits [B, n, n, n] (fp32) for latents [B, N, width]: every sample."""
+    n = grid_size(resolution)
+    return _query(tokenizer, grid_points(resolution, latents.device), latents, chunk_size).view(-1, n, n, n)
+
+
+@torch.no_grad()
+def occupancy_grid_coarse_to_fine(tokenizer, latents: torch.Tensor, resolution: int,
+                                  coarse_resolution: int = COARSE_RESOLUTION,
+                                  chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """The dense grid's logits [n, n, n] for one object [1, N, width], evaluating only near
+    the surface.
+
+    Query every 2^(r-c)-th sample (a coarse grid that is a subset of the fine one); coarse
+    cells whose corners change sign, and their neighbours, are refined: every fine sample in
+    them is queried. Elsewhere a sample takes the value of its nearest coarse sample, whose
+    sign is right wherever the coarse grid resolves the shape, so marching cubes finds the
+    same triangles there as on the dense grid: no crossing, no triangle. Only exact values
+    ever meet a zero crossing, so the mesh equals the dense one.
+    """
+    if latents.shape[0] != 1:
+        raise ValueError("coarse-to-fine refines one object at a time")
+    if coarse_resolution >= resolution:
+        return occupancy_grid(tokenizer, latents, resolution, chunk_size)[0]
+    dev = latents.device
+    n, stride = grid_size(resolution), 2 ** (resolution - coarse_resolution)
+    axis = grid_axis(resolution, dev)
+    coarse_axis = axis[::stride]
+    nc = coarse_axis.shape[0]
+    coarse = _query(tokenizer, grid_points(0, axis=coarse_axis), latents, chunk_size).view(nc, nc, nc)
+
+    pool = torch.nn.functional.max_pool3d
+    c = coarse[None, None]
+    crossing = (pool(c, 2, stride=1) >= 0) & (-pool(-c, 2, stride=1) <= 0)  # per coarse cell
+    near = pool(crossing.float(), 3, stride=1, padding=1) > 0  # and its neighbours
+    fine_cells = near[0, 0].repeat_interleave(stride, 0).repeat_interleave(stride, 1).repeat_interleave(stride, 2)
+    padded = torch.nn.functional.pad(fine_cells.float(), (1, 1, 1, 1, 1, 1))
+    refine = pool(padded[None, None], 2, stride=1)[0, 0] > 0  # samples touching a refined cell [n, n, n]
+
+    nearest = torch.div(torch.arange(n, device=dev) + stride // 2, stride, rounding_mode="floor").clamp(max=nc - 1)
+    grid = coarse[nearest][:, nearest][:, :, nearest].contiguous()
+    idx = refine.nonzero()
+    if idx.numel():
+        points = torch.stack([axis[idx[:, 0]], axis[idx[:, 1]], axis[idx[:, 2]]], dim=-1)
+        grid[idx[:, 0], idx[:, 1], idx[:, 2]] = _query(tokenizer, points, latents, chunk_size)[0]
+    return grid
 
 
 def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int) -> Mesh:

@@ -43,14 +43,17 @@ def apply_guidance(cond: torch.Tensor, uncond: torch.Tensor, g: torch.Tensor) ->
 
 
 def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+           seed: torch.Tensor, step: torch.Tensor, any_sampling: bool = True) -> torch.Tensor:
     """Next token ids [B] from guided fp32 logits [B, V].
 
     Greedy rows take the argmax. Other rows sample softmax(logits / temperature) restricted to
     the reference's top-p set: tokens are kept while the cumulative probability (including the
-    token) is <= p, the most likely token always; p >= 1 keeps everything.
+    token) is <= p, the most likely token always; p >= 1 keeps everything. `any_sampling=False`
+    (the caller knows every row is greedy) skips the sort.
     """
     argmax = logits.argmax(dim=-1)
+    if not any_sampling:
+        return argmax
     scaled = logits / temperature[:, None]
     probs = torch.softmax(scaled, dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)

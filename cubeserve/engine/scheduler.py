@@ -89,11 +89,15 @@ class Ticket:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_objects: int = 8, stats: EngineStats | None = None):
+    def __init__(self, engine: Engine, max_objects: int = 8, stats: EngineStats | None = None,
+                 graphs: bool | None = None, graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)):
+        """`graphs`: capture the decode step as CUDA graphs at start-up (default: on CUDA)."""
         if max_objects < 1:
             raise ValueError(f"max_objects must be at least 1, got {max_objects}")
         self.engine = engine
-        self.pool = SlotPool(engine, max_objects)
+        if graphs is None:
+            graphs = engine.device.type == "cuda"
+        self.pool = SlotPool(engine, max_objects, graphs=graphs, graph_buckets=graph_buckets)
         self.stats = stats or EngineStats()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._slots: dict[int, Ticket] = {}

@@ -41,9 +41,24 @@ def rms_norm_noaffine(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
+SMALL_BATCH_ROWS = 16  # decode-sized inputs: at most this many rows take the CPU GEMV path
+
+
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Apply `layer` in the dtype of its weight (the input is cast, as autocast would)."""
-    return F.linear(x.to(layer.weight.dtype), layer.weight, layer.bias)
+    """Apply `layer` in the dtype of its weight (the input is cast, as autocast would).
+
+    On the CPU, a decode step multiplies a few rows by each weight: F.linear then runs at a
+    fraction of memory bandwidth (13-50 % measured for 2 rows), while W @ x^T streams the
+    weight row by row at close to 100 %. Same product, another summation order.
+    """
+    w = layer.weight
+    x = x.to(w.dtype)
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cpu" and rows <= SMALL_BATCH_ROWS:
+        x2 = x.reshape(rows, x.shape[-1])
+        y = torch.mm(w, x2.T) if layer.bias is None else torch.addmm(layer.bias[:, None], w, x2.T)
+        return y.T.reshape(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, layer.bias)
 
 
 class SwiGLU(nn.Module):
