@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench import server_overhead
+from bench import engine_speed, server_overhead
 from bench.common import hardware, write_results
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
@@ -28,14 +28,24 @@ def update_markdown(section: str, lines: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=["server"], help="run one section")
+    parser.add_argument("--only", choices=["engine", "server"], help="run one section")
+    parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     header = {"date": when, "hardware": hardware(device), "torch": torch.__version__}
-    sections = {"server": server_overhead.run}
+    if device.type == "cuda":
+        engine_runs = [("engine-gpu-" + c, lambda c=c: engine_speed.run(c, device, torch.bfloat16, flights=(1, 8, 32, 64)))
+                       for c in ("v0.1", "v0.5")]
+    else:
+        window = 8 if args.quick else 32
+        engine_runs = [("engine-cpu", lambda: engine_speed.run("mid", device, torch.float32, flights=(1, 8, 32),
+                                                                window=window, resolutions=(5, 6, 7)))]
+    sections = dict(engine_runs)
+    if device.type == "cpu":  # the Triton comparison runs the tiny model on the CPU
+        sections["server"] = server_overhead.run
     for name, run in sections.items():
-        if args.only and args.only != name:
+        if args.only and not name.startswith(args.only):
             continue
         records, lines = run()
         write_results(records, header)

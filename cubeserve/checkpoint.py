@@ -229,11 +229,13 @@ def sha256_file(path: str | Path) -> str:
 # -- deterministic random weights -------------------------------------------------------------
 
 @torch.no_grad()
-def init_random_models(cfg: ModelConfig, seed: int = 0) -> tuple[DualStreamGPT, ShapeTokenizer]:
-    """Random weights with the real structure, deterministic for a seed. The occupancy decoder
-    is nudged so that every token sequence decodes to a closed, token-dependent blob."""
+def init_random_models(cfg: ModelConfig, seed: int = 0, device: str | torch.device = "cpu"
+                       ) -> tuple[DualStreamGPT, ShapeTokenizer]:
+    """Random weights with the real structure, deterministic for a seed (and device). The
+    occupancy decoder is nudged so that every token sequence decodes to a closed,
+    token-dependent blob."""
     torch.manual_seed(seed)
-    gpt, tok = build_models(cfg, "cpu")
+    gpt, tok = build_models(cfg, device)
     for module in (gpt, tok):
         for name, p in module.named_parameters():
             if name.endswith("norm.weight") or name.endswith("ln_f.weight"):
@@ -265,7 +267,7 @@ def _shape_occupancy_as_blob(tok: ShapeTokenizer, seed: int) -> None:
     w_in[:6].zero_()
     for axis in range(3):  # the first 3 point-embedding features are the raw coordinates
         w_in[2 * axis, axis], w_in[2 * axis + 1, axis] = steep, -steep
-    radial = torch.zeros(width)
+    radial = torch.zeros(width, device=w_in.device)
     radial[0] = 1.0
     occ.query_in.out_layer.weight[:, :6] = -radial[:, None]
     occ.c_head.weight[0] += radial
@@ -273,7 +275,8 @@ def _shape_occupancy_as_blob(tok: ShapeTokenizer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, tok.cfg.num_codes, (4, tok.cfg.num_encoder_latents), generator=g)
     on_sphere = torch.nn.functional.normalize(torch.randn(64, 3, generator=g), dim=-1) * 0.6
-    level = tok.occupancy(on_sphere.expand(4, -1, -1), tok.decode_tokens(ids)).mean()
+    dev = w_in.device
+    level = tok.occupancy(on_sphere.to(dev).expand(4, -1, -1), tok.decode_tokens(ids.to(dev))).mean()
     occ.c_head.bias.fill_(float(-level))
 
 

@@ -84,7 +84,7 @@ class EngineModel:
     directory; default "weights"), config (preset or YAML; default: the YAML beside the
     weights), device (for KIND_CPU: cpu; KIND_GPU instances use their own GPU), dtype
     (default bfloat16 on GPU, float32 on CPU), max_objects (objects in flight, default 8),
-    single_block (reference | causal).
+    single_block (reference | causal), cuda_graphs (auto | true | false; auto = on CUDA).
     """
 
     def initialize(self, args):
@@ -102,8 +102,9 @@ class EngineModel:
                                  config=params.get("config") or None)
         self.uses_bbox = engine.cfg.gpt.use_bbox
         labels = {"model": args["model_name"], "version": args["model_version"]}
+        graphs = {"": None, "auto": None, "true": True, "false": False}[params.get("cuda_graphs", "").lower()]
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
-                                   stats=TritonStats(labels)).start()
+                                   stats=TritonStats(labels), graphs=graphs).start()
         pb_utils.Logger.log_info(
             f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} ({dtype}), "
             f"{self.scheduler.pool.max_objects} objects in flight")
