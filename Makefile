@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= a round wooden table
 
-.PHONY: install test serve demo bench clean
+.PHONY: install test serve demo bench k8s image clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,15 @@ demo: install
 # Benchmarks on whatever device is present: BENCHMARKS.md tables and bench/results.json.
 bench: install
 	$(PY) -m bench
+
+# Render every KServe overlay with kubectl kustomize; check the manifests and `cubeserve rollout`.
+k8s: install
+	$(PY) -m pytest -q tests/test_k8s.py tests/test_rollout.py
+
+# The runtime image (needs a docker engine; none runs on this project's machines).
+IMAGE ?= registry.example.com/cube-serve:0.1.0
+image:
+	docker build -f k8s/Dockerfile -t $(IMAGE) .
 
 clean:
 	rm -rf outputs triton_models/*/[0-9]*/weights

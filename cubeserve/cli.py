@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from cubeserve import deploy
+
 
 def _bbox(text: str) -> tuple[float, float, float]:
     try:
@@ -174,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the local Triton server on 127.0.0.1 with triton_models/")
     s.add_argument("--model-repository")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--http-port", type=int, default=deploy.HTTP_PORT)
+    s.add_argument("--grpc-port", type=int, default=deploy.GRPC_PORT)
+    s.add_argument("--metrics-port", type=int, default=deploy.METRICS_PORT)
     s.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for readiness")
     s.set_defaults(func=cmd_serve)
 
@@ -186,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resolution", type=int, default=6)
     d.set_defaults(func=cmd_demo)
+
+    from cubeserve.rollout import add_rollout_parser
+
+    add_rollout_parser(sub)  # canary / promote / rollback / ab on KServe (k8s/)
     return p
 
 

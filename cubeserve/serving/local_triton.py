@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from cubeserve import deploy
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "triton_models"
 
@@ -52,8 +54,9 @@ def free_port() -> int:
 class LocalTriton:
     """A tritonserver process bound to 127.0.0.1, stopped by its PID."""
 
-    def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = 8000,
-                 grpc_port: int = 8001, metrics_port: int = 8002, log_path: str | Path | None = None,
+    def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = deploy.HTTP_PORT,
+                 grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
+                 log_path: str | Path | None = None,
                  extra_args: tuple[str, ...] = (), verbose: bool = False):
         self.model_repository = Path(model_repository)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -84,7 +87,7 @@ class LocalTriton:
             "--http-address=127.0.0.1", f"--http-port={self.http_port}",
             "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-            "--disable-auto-complete-config",
+            *deploy.COMMON_FLAGS,
             *self.extra_args,
         ]
 
@@ -120,7 +123,7 @@ class LocalTriton:
 
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"http://{self.http_url}{deploy.READY_PATH}", timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, ConnectionError, OSError):
             return False

