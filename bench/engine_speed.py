@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from bench.common import Record, sync
+from bench.common import Record, sync, timed
 
 CLIP_SEED = 0
 
@@ -34,13 +34,7 @@ def memory_bandwidth(device: torch.device) -> float:
     """Read bandwidth in GB/s: the best of several full reductions over a large buffer."""
     n = (1 << 30 if device.type == "cuda" else 1 << 28) // 4
     x = torch.ones(n, device=device)
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        t0 = time.perf_counter()
-        x.sum()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
+    best = timed(x.sum, device, repeat=10)
     return n * 4 / best / 1e9
 
 
@@ -125,10 +119,10 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
     latents = engine.tokenizer.decode_tokens(tokens.to(device))
     geo_rows = []
     for r in resolutions:
-        fine = _timed(lambda: geometry.occupancy_grid_coarse_to_fine(engine.tokenizer, latents, r), device)
-        dense = _timed(lambda: geometry.occupancy_grid(engine.tokenizer, latents, r), device) if r <= dense_max_resolution else None
+        fine = timed(lambda: geometry.occupancy_grid_coarse_to_fine(engine.tokenizer, latents, r), device)
+        dense = timed(lambda: geometry.occupancy_grid(engine.tokenizer, latents, r), device) if r <= dense_max_resolution else None
         grid = geometry.occupancy_grid_coarse_to_fine(engine.tokenizer, latents, r)
-        mc = _timed(lambda: geometry.marching_cubes(grid, r), device)
+        mc = timed(lambda: geometry.marching_cubes(grid, r), device)
         records.append(Record("geometry", dev_name, config, f"resolution {r}", 1,
                               extra={"coarse_to_fine_s": fine, "dense_s": dense, "marching_cubes_s": mc}))
         geo_rows.append(f"| {r} | {geometry.grid_size(r)}^3 | {dense if dense is None else f'{dense:.3f}'} | "
@@ -136,7 +130,6 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
 
     peak = (torch.cuda.max_memory_allocated(device) / 2**30 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-    best = min(results.values())
     eager1 = results[("eager cached", 1)]
     lines = [
         f"Config `{config}` ({dtype}), {n} tokens per object, guidance on (2 rows per object). "
@@ -161,13 +154,4 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         "",
         f"Peak memory: {peak:.2f} GiB ({'CUDA allocated' if cuda else 'process RSS'}).",
     ]
-    del best
     return records, lines
-
-
-def _timed(fn, device) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0

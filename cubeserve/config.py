@@ -8,7 +8,7 @@ user's `open_model.yaml` reads directly.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml

@@ -5,7 +5,6 @@ import time
 from concurrent.futures import CancelledError
 
 import pytest
-import torch
 
 from cubeserve.engine import GenerationRequest as Req
 from cubeserve.engine import InvalidRequest

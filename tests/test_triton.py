@@ -13,7 +13,6 @@ import urllib.request
 
 import numpy as np
 import pytest
-import torch
 import trimesh
 
 from cube3d_client import Cube3DClient, ServerError
