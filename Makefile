@@ -4,8 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= a round wooden table
+CHECKPOINT ?=
+STORE ?= outputs/model_store
 
-.PHONY: install test serve demo bench k8s image clean
+.PHONY: install test serve demo bench k8s image pipeline pipelines clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +38,15 @@ bench: install
 # Render every KServe overlay with kubectl kustomize; check the manifests and `cubeserve rollout`.
 k8s: install
 	$(PY) -m pytest -q tests/test_k8s.py tests/test_rollout.py
+
+# Compile every Kubeflow pipeline to the YAML beside it (upload that file in the Kubeflow UI).
+pipelines: install
+	$(PY) -m kfp_pipelines.compile
+
+# Run the checkpoint pipeline locally with kfp.local: registry and model store on disk.
+pipeline: install
+	test -n "$(CHECKPOINT)" || (echo "usage: make pipeline CHECKPOINT=DIR [STORE=DIR]"; exit 1)
+	$(PY) -m kfp_pipelines.run_local --checkpoint $(CHECKPOINT) --store $(STORE)
 
 # The runtime image (needs a docker engine; none runs on this project's machines).
 IMAGE ?= registry.example.com/cube-serve:0.1.0

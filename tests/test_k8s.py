@@ -352,3 +352,11 @@ def test_base_is_the_gpu_deployment_without_a_mode():
     isvc = yaml.safe_load(path.read_text())
     assert "serving.kserve.io/deploymentMode" not in isvc["metadata"]["annotations"]
     assert isvc["spec"]["predictor"]["model"]["resources"]["limits"][GPU] == "1"
+
+
+def test_the_mlflow_registry_manifest_is_valid():
+    """k8s/mlflow/ (the pipeline's registry server) is plain Kubernetes: every object validates."""
+    objects = [o for o in yaml.safe_load_all((REPO / "k8s" / "mlflow" / "mlflow.yaml").read_text()) if o]
+    assert {o["kind"] for o in objects} >= {"Deployment", "Service"}
+    for obj in objects:
+        assert validate(obj) == [], (obj["kind"], validate(obj))
