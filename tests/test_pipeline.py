@@ -171,3 +171,14 @@ def test_canary_that_is_rolled_back_leaves_the_champion_serving(env, champion, t
     assert registry(env).by_alias(CHAMPION).version == "1" and registry(env).by_alias(CHALLENGER) is None
     assert serving.served_versions(env["server"].http_url) == [1]
     assert "specific { versions: [1] }" in (env["store"] / "cube3d" / "config.pbtxt").read_text()
+
+
+def test_object_store_uri_is_fetched_once_and_validated_like_a_directory(env):
+    """Any fsspec filesystem serves as the object store; file:// runs here without credentials."""
+    uri = Path(env["good"]).resolve().as_uri()
+    local = steps.validate_checkpoint(str(env["good"]))
+    remote = steps.validate_checkpoint(uri)
+    assert remote["sha256"] == local["sha256"] and remote["files_sha256"] == local["files_sha256"]
+    assert steps.local_checkpoint(uri) == steps.local_checkpoint(uri) != str(env["good"])
+    with pytest.raises(CheckpointError, match="no such directory"):
+        steps.validate_checkpoint(uri + "-missing")

@@ -34,6 +34,28 @@ class GateFailed(ValueError):
 
 # -- 1. validate -------------------------------------------------------------------------------
 
+def local_checkpoint(checkpoint: str) -> str:
+    """A local directory holding the checkpoint. An object-store URI (s3://, gs://, file://...:
+    any filesystem fsspec knows, with its package installed, e.g. s3fs or gcsfs) is copied once
+    into a cache directory named after the URI, so that every step of a run reads the same
+    files; a local path is returned as it is."""
+    if "://" not in checkpoint:
+        return checkpoint
+    import tempfile
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(checkpoint)
+    if not fs.isdir(path):
+        raise CheckpointError(f"{checkpoint}: no such directory in the object store")
+    cache = Path(tempfile.gettempdir()) / f"cubeserve-checkpoint-{hashlib.sha256(checkpoint.encode()).hexdigest()[:16]}"
+    if not cache.is_dir():
+        partial = cache.with_name(cache.name + f".partial-{os.getpid()}")
+        fs.get(path.rstrip("/") + "/", str(partial), recursive=True)
+        partial.rename(cache)
+    return str(cache)
+
+
 def checkpoint_files(checkpoint: str | Path) -> list[Path]:
     root = Path(checkpoint)
     return sorted(p for p in root.rglob("*") if p.is_file())
@@ -63,10 +85,7 @@ def validate_checkpoint(checkpoint: str) -> dict:
 
     Raises CheckpointError naming the file for a pickle (by suffix or content), a truncated
     file, unexpected files, or weights that do not match the config (e.g. v0.5 with v0.1)."""
-    if "://" in checkpoint:
-        # TODO: s3:// and gs:// checkpoints: download to a temp dir first (fsspec), then validate.
-        raise CheckpointError(f"{checkpoint}: only local directories are supported so far")
-    root = Path(checkpoint)
+    root = Path(local_checkpoint(checkpoint))
     if not root.is_dir():
         raise CheckpointError(f"{checkpoint}: not a directory")
     files = checkpoint_files(root)
@@ -123,7 +142,7 @@ def evaluate_checkpoint(checkpoint: str, prompts: list[str], resolution: int = 5
     from cubeserve.preview import render_preview
 
     torch.manual_seed(0)
-    engine = Engine.from_dir(checkpoint, device=device)
+    engine = Engine.from_dir(local_checkpoint(checkpoint), device=device)
     requests = [GenerationRequest(prompt=p, seed=0, resolution=resolution) for p in prompts]
     t0 = time.perf_counter()
     results = engine.generate(requests)
@@ -229,7 +248,7 @@ def package(checkpoint: str, store: str, files_sha256: dict, min_version: int = 
         shutil.copy2(template / model / "1" / "model.py", tmp / "model.py")
         staged.append((tmp, store_path / model / str(version)))
     weights = staged[0][0] / "weights"
-    shutil.copytree(checkpoint, weights)
+    shutil.copytree(local_checkpoint(checkpoint), weights)
     for rel, digest in files_sha256.items():
         if sha256_file(weights / rel) != digest:
             raise CheckpointError(f"{rel}: changed while it was copied into the model store")
