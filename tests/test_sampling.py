@@ -65,3 +65,11 @@ def test_counter_noise_is_a_function_of_seed_and_step_only():
     assert abs(a.mean().item() - 0.5) < 0.03
     big = counter_uniform(torch.tensor([2**63 - 1]), torch.tensor([1023]), 16384)
     assert math.isfinite(big.sum().item())
+
+
+def test_32_bit_products_are_exact_without_int64_overflow():
+    from cubeserve.engine.sampling import _mul32
+
+    x = torch.cat([torch.randint(0, 2**32, (500,), dtype=torch.int64), torch.tensor([2**32 - 1, 0, 1])])
+    for c in (0x7FEB352D, 0x846CA68B, 0x9E3779B1, 0x85EBCA77):
+        assert _mul32(x, c).tolist() == [(int(v) * c) % 2**32 for v in x]

@@ -122,9 +122,10 @@ class SlotPool:
         busy = self.busy[:k]
         slot_ids = torch.arange(k, device=ids.device)
         self.tokens[slot_ids, step] = torch.where(busy, ids, self.tokens[slot_ids, step])
-        self.x[:rows] = self.engine.gpt.embed_tokens(ids.repeat_interleave(2))
+        # Both rows of a slot take the token (views, not repeat_interleave: nothing to size).
+        self.x[:rows] = self.engine.gpt.embed_tokens(ids[:, None].expand(k, 2).reshape(rows))
         advance = busy & (step < self.num_tokens - 1)
-        self.positions[:rows] += advance.repeat_interleave(2).long()
+        self.positions[:rows] += advance[:, None].expand(k, 2).reshape(rows).long()
         return guided
 
     @torch.no_grad()

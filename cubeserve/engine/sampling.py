@@ -12,13 +12,20 @@ import torch
 _M32 = 0xFFFFFFFF
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x < 2**32, in 16-bit halves of c so that no product leaves
+    int64 (signed overflow is undefined in the kernels, and CPU and CUDA must agree)."""
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _M32
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser ("lowbias32") on int64 tensors holding values < 2**32.
-    Products may wrap around int64; only their low 32 bits are kept, which wrapping preserves."""
+    """A 32-bit integer finaliser ("lowbias32") on int64 tensors holding values < 2**32."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
+    x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
+    x = _mul32(x, 0x846CA68B)
     return x ^ (x >> 16)
 
 
@@ -26,8 +33,8 @@ def counter_uniform(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch
     """Uniform (0, 1) noise [B, vocab] as a pure function of (seed[b], step[b], token id)."""
     ids = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     h = _mix32((seed & _M32) ^ _mix32((seed >> 32) & _M32))
-    h = _mix32((h + step * 0x9E3779B1) & _M32)
-    h = _mix32((h[:, None] + ids[None, :] * 0x85EBCA77) & _M32)
+    h = _mix32((h + _mul32(step, 0x9E3779B1)) & _M32)
+    h = _mix32((h[:, None] + _mul32(ids, 0x85EBCA77)[None, :]) & _M32)
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
