@@ -157,3 +157,35 @@ def test_requests_joining_mid_generation_get_their_own_tokens(make_engine):
     assert torch.equal(done[0], alone[a.prompt])
     assert torch.equal(done[1], alone[b.prompt])
     assert torch.equal(done[2], alone[c.prompt])
+
+
+@pytest.mark.parametrize("mode", ["reference", "causal"])
+def test_the_captured_step_padded_bucketed_and_masked_gives_the_eager_tokens(make_engine, mode):
+    """What a CUDA graph replays (slots padded to a bucket, attention over a cache-length
+    bucket with masks, all sampling kernels), run eagerly: same tokens as the trimmed step,
+    with requests joining mid-generation and a free slot inside the range."""
+    from cubeserve.engine.batch import SlotPool
+    from cubeserve.engine.graphs import DecodeGraphs
+
+    engine = make_engine("tiny", mode)
+    reqs = [Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0)]
+    alone = [engine.generate_tokens([r])[0] for r in reqs]
+    pool = SlotPool(engine, max_objects=8)
+    pool.graphs = DecodeGraphs(pool, (1, 2, 4, 8), length_buckets=4, capture=False)
+    done = {}
+
+    def step(times):
+        for _ in range(times):
+            for s in pool.step().finished:
+                done[s] = pool.tokens[s].clone()
+                pool.release(s)
+
+    pool.admit(reqs[:1])
+    step(9)
+    pool.admit(reqs[1:])
+    step(3)
+    pool.release(1)  # a hole inside the range
+    pool.admit(reqs[1:2])
+    step(3 * engine.cfg.num_tokens)
+    for slot, expected in enumerate(alone):
+        assert torch.equal(done[slot], expected)

@@ -21,15 +21,17 @@ log = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
-    def __init__(self, pool, slot_buckets: tuple[int, ...], length_buckets: int):
-        if pool.engine.device.type != "cuda":
+    def __init__(self, pool, slot_buckets: tuple[int, ...], length_buckets: int, capture: bool = True):
+        """`capture=False` replays the very same bucketed, padded, masked step eagerly: what the
+        graphs compute, runnable (and tested) on a machine without CUDA."""
+        if capture and pool.engine.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; the CPU runs the same step eagerly")
         self.pool = pool
         n = pool.num_tokens
         self.slot_buckets = sorted({b for b in slot_buckets if b < pool.max_objects} | {pool.max_objects})
         self.length_buckets = sorted({math.ceil(n * (i + 1) / length_buckets) for i in range(length_buckets)})
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.capture_seconds = self._capture()
+        self.capture_seconds = self._capture() if capture else 0.0
 
     def _capture(self) -> float:
         pool = self.pool
@@ -64,4 +66,8 @@ class DecodeGraphs:
         return (next(b for b in self.slot_buckets if b >= k), next(n for n in self.length_buckets if n >= live))
 
     def replay(self, k: int, live: int) -> None:
-        self.graphs[self.bucket(k, live)].replay()
+        key = self.bucket(k, live)
+        if self.graphs:
+            self.graphs[key].replay()
+        else:
+            self.pool.compute(*key, uniform=False)
