@@ -33,3 +33,17 @@ def make_engine(tiny_weights, tiny_bbox_weights):
         return _engines[key]
 
     return make
+
+
+@pytest.fixture
+def run_steps():
+    """run_steps(pool, n, done): n decode steps; each finished slot's tokens go to done[slot]
+    and the slot is released, as the scheduler does."""
+
+    def run(pool, n: int, done: dict) -> None:
+        for _ in range(n):
+            for slot in pool.step().finished:
+                done[slot] = pool.tokens[slot].clone()
+                pool.release(slot)
+
+    return run

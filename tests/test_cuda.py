@@ -29,21 +29,14 @@ def test_graph_steps_equal_eager_steps(cuda_engine):
     assert torch.equal(pool.tokens[: len(REQUESTS)], eager)
 
 
-def test_graphs_with_requests_joining_mid_generation(cuda_engine):
+def test_graphs_with_requests_joining_mid_generation(cuda_engine, run_steps):
     alone = [cuda_engine.generate_tokens([r])[0] for r in REQUESTS[:3]]
     pool = SlotPool(cuda_engine, max_objects=4, graphs=True, graph_buckets=(1, 2, 4))
     done = {}
-
-    def run(steps):
-        for _ in range(steps):
-            for s in pool.step().finished:
-                done[s] = pool.tokens[s].clone()
-                pool.release(s)
-
     pool.admit([REQUESTS[0]])
-    run(7)
+    run_steps(pool, 7, done)
     pool.admit(REQUESTS[1:3])
-    run(3 * cuda_engine.cfg.num_tokens)
+    run_steps(pool, 3 * cuda_engine.cfg.num_tokens, done)
     for slot, expected in enumerate(alone):
         assert torch.equal(done[slot], expected)
 

@@ -129,7 +129,7 @@ def test_empty_prompt_is_the_unconditional_prompt(make_engine):
                        engine.generate_tokens([Req("", guidance_scale=0.0)]))
 
 
-def test_requests_joining_mid_generation_get_their_own_tokens(make_engine):
+def test_requests_joining_mid_generation_get_their_own_tokens(make_engine, run_steps):
     """Continuous batching: rows at different positions, a free slot inside the batch range."""
     from cubeserve.engine.batch import SlotPool
 
@@ -140,10 +140,7 @@ def test_requests_joining_mid_generation_get_their_own_tokens(make_engine):
     done = {}
 
     def step(times):
-        for _ in range(times):
-            for s in pool.step().finished:
-                done[s] = pool.tokens[s].clone()
-                pool.release(s)
+        run_steps(pool, times, done)
 
     assert pool.admit([a]) == [0]
     step(5)
@@ -160,7 +157,7 @@ def test_requests_joining_mid_generation_get_their_own_tokens(make_engine):
 
 
 @pytest.mark.parametrize("mode", ["reference", "causal"])
-def test_the_captured_step_padded_bucketed_and_masked_gives_the_eager_tokens(make_engine, mode):
+def test_the_captured_step_padded_bucketed_and_masked_gives_the_eager_tokens(make_engine, mode, run_steps):
     """What a CUDA graph replays (slots padded to a bucket, attention over a cache-length
     bucket with masks, all sampling kernels), run eagerly: same tokens as the trimmed step,
     with requests joining mid-generation and a free slot inside the range."""
@@ -175,10 +172,7 @@ def test_the_captured_step_padded_bucketed_and_masked_gives_the_eager_tokens(mak
     done = {}
 
     def step(times):
-        for _ in range(times):
-            for s in pool.step().finished:
-                done[s] = pool.tokens[s].clone()
-                pool.release(s)
+        run_steps(pool, times, done)
 
     pool.admit(reqs[:1])
     step(9)
