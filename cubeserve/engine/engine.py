@@ -169,8 +169,8 @@ class Engine:
 
     def generate(self, requests: list[GenerationRequest],
                  on_step: Callable[[int], None] | None = None) -> list[GenerationResult]:
-        """Prompts to meshes, with per-stage timings (seconds)."""
-        self.validate(requests)
+        """Prompts to meshes, with per-stage timings (seconds). Every request is validated
+        (by generate_tokens) before any work starts."""
         t0 = time.perf_counter()
         tokens = self.generate_tokens(requests, on_step=on_step)
         self._sync()
