@@ -1,12 +1,12 @@
 """Procedural shapes with signed distance functions and prompts that describe them.
 
-Every shape is a `Shape`: a class name, its sampled parameters, a prompt whose size and
-proportion words follow those parameters, and an SDF (torch, vectorised over [..., 3] points,
-negative inside). Occupancy is `sdf < 0`.
+Every shape is a `Shape`: a class name, its sampled parameters, a prompt that names every free
+parameter (class, variant, size level; the rest is small jitter), and an SDF (torch, vectorised
+over [..., 3] points, negative inside). Occupancy is `sdf < 0`.
 
 Conventions:
 * +y is up (glTF, as Cube's meshes): revolved shapes (cylinder, cone, capsule, mug) have their
-  axis along y, and "tall", "flat", "low" refer to the y extent.
+  axis along y unless the prompt says "lying", and "tall", "flat", "low" refer to the y extent.
 * Every shape is centred and scaled so its bounding box fits inside [-size, size]^3 with
   size <= 0.95, inside the model's grid [-1.05, 1.05]^3 with a margin for marching cubes.
 * Primitive SDFs are exact distances. Compositions (table, mug, chair) are unions (min) of
@@ -28,7 +28,6 @@ import torch
 
 SDF = Callable[[torch.Tensor], torch.Tensor]
 MAX_SIZE = 0.95  # largest half-extent after normalisation
-MIN_SIZE = 0.5
 _HELDOUT_SALT = 0x5EED_CAFE  # extra seed word: held-out streams never coincide with training ones
 
 
@@ -159,136 +158,63 @@ def _rot_z(a: float) -> np.ndarray:
 @dataclass(frozen=True)
 class Shape:
     name: str  # the class: "sphere", "table", ...
-    params: dict  # sampled parameters, in the shape's local units, plus "size", "yaw", "tilt"
+    params: dict  # sampled parameters in the shape's local units, plus "size", "variant", "yaw"
     prompt: str
     sdf: SDF = field(repr=False, compare=False)  # world frame, [..., 3] -> [...], negative inside
+
+    @property
+    def concept(self) -> tuple[str, str, str]:
+        """(class, variant, size level): what the prompt pins down; instances of one concept
+        differ only by the small jitter."""
+        return self.name, self.params["variant"], self.params["size_level"]
 
     def occupancy(self, points: torch.Tensor) -> torch.Tensor:
         return self.sdf(points) < 0
 
 
-def _finish(name, params, prompt, local: SDF, lo, hi, rng: np.random.Generator, tilt_max: float) -> Shape:
-    """Orient (random yaw about y, a small tilt), then centre and scale so the bounding box fits
-    [-size, size]^3. The box of the rotated local box's corners is conservative, so the shape
-    itself fits too; it is exact for boxes, tables and chairs with rectangular tops, but up to
-    sqrt(2) too large for a yawed round table or mug and ~20% for a tilted solid of revolution,
-    so `size` is an upper bound on the half-extent (see the report: support functions next)."""
-    yaw = float(rng.uniform(0.0, 2.0 * math.pi))
-    tilt = float(rng.uniform(-tilt_max, tilt_max)) if tilt_max > 0 else 0.0
-    if name in _REVOLVED:
-        # Yaw does not change a solid of revolution but would inflate its rotated corner box
-        # by up to sqrt(2): leave it out so the shape fills its `size`.
-        yaw = 0.0
-    rot = _rot_y(yaw) @ _rot_x(tilt)
-    corners = np.array([[x, y, z] for x in (lo[0], hi[0]) for y in (lo[1], hi[1]) for z in (lo[2], hi[2])])
-    moved_corners = corners @ rot.T
-    c_lo, c_hi = moved_corners.min(0), moved_corners.max(0)
-    centre, half = (c_lo + c_hi) / 2, float((c_hi - c_lo).max() / 2)
-    size = params["size"]
-    s = size / half
-    rot_t = torch.tensor(rot, dtype=torch.float32)
-    shift = torch.tensor(-centre * s, dtype=torch.float32)
+# -- what a prompt describes --------------------------------------------------------------------------
+# Every free parameter is named by the prompt: a class has a few variants (proportions, and for
+# some an orientation), each with canonical local parameters, and every shape has one of three
+# size levels. A shape draws its variant and size level, then jitters each parameter a little
+# (JITTER, relative; SIZE_JITTER, absolute) and its yaw (YAW_JITTER, radians). So a prompt fixes
+# the shape up to that jitter, which is what lets a generated shape be scored against the shape
+# its prompt describes.
 
-    def sdf(p):
-        local_p = ((p - shift.to(p)) / s) @ rot_t.to(p)  # x_local = R^T (x - t) / s
-        return local(local_p) * s  # uniform scaling scales distances
-
-    params = dict(params, yaw=yaw, tilt=tilt, scale=s)
-    return Shape(name=name, params=params, prompt=prompt, sdf=sdf)
+JITTER = 0.02
+SIZE_JITTER = 0.01
+YAW_JITTER = 0.05
+SIZE_LEVELS = {"small": 0.6, "medium": 0.75, "large": 0.9}  # half-extent of the bounding box
+_SIZE_WORDS = {"small": ("small", "little"), "medium": ("",), "large": ("large", "big")}
 
 
-def _size_word(size: float) -> str:
-    if size < 0.62:
-        return "small "
-    if size > 0.85:
-        return "large "
-    return ""
+@dataclass(frozen=True)
+class Variant:
+    key: str
+    phrases: tuple[str, ...]  # the prompt's wordings (synonyms), after the size word
+    params: dict  # canonical local parameters; floats are jittered, the rest kept
+    lying: bool = False  # the axis along x instead of y ("lying on its side")
 
 
-def _pick(rng: np.random.Generator, options):
-    return options[int(rng.integers(len(options)))]
+def _box_parts(p):
+    h = (p["hx"], p["hy"], p["hz"])
+    return box_sdf(h), tuple(-v for v in h), h
 
 
-# -- classes: each draws parameters from rng, builds the local SDF and its bounding box, and words
-# the prompt from the same parameters --------------------------------------------------------------
-
-def _sphere(rng, size):
-    word = _pick(rng, ["ball", "sphere", "orb"])
-    return dict(r=1.0), f"a {_size_word(size)}{word}", sphere_sdf(1.0), (-1, -1, -1), (1, 1, 1), 0.0
-
-
-def _box(rng, size):
-    hx, hy, hz = (float(v) for v in rng.uniform(0.15, 1.0, 3))
-    horiz_min, horiz_max = min(hx, hz), max(hx, hz)
-    if max(hx, hy, hz) < 1.2 * min(hx, hy, hz):
-        desc = _pick(rng, ["cube", "cubic block"])
-    elif hy < 0.4 * horiz_min:
-        desc = _pick(rng, ["flat box", "flat slab", "thin plank"])
-    elif hy > 1.8 * horiz_max:
-        desc = _pick(rng, ["tall box", "tall pillar", "tall block"])
-    elif horiz_max > 2.0 * horiz_min:
-        desc = _pick(rng, ["long box", "long brick"])
-    else:
-        desc = _pick(rng, ["box", "block", "crate"])
-    params = dict(hx=hx, hy=hy, hz=hz)
-    return params, f"a {_size_word(size)}{desc}", box_sdf((hx, hy, hz)), (-hx, -hy, -hz), (hx, hy, hz), 0.25
+def _revolved_parts(sdf_of):
+    def parts(p):
+        r, hh = p["r"], p["half_h"]
+        return sdf_of(r, hh), (-r, -hh, -r), (r, hh, r)
+    return parts
 
 
-def _aspect_word(height_over_width: float, tall: list[str], flat: list[str], rng) -> str:
-    """"tall thin" / "tall" / "" / "short" / "flat" from height / diameter."""
-    if height_over_width > 2.5:
-        return _pick(rng, tall) + " "
-    if height_over_width > 1.4:
-        return "tall "
-    if height_over_width < 0.35:
-        return _pick(rng, flat) + " "
-    if height_over_width < 0.7:
-        return "short "
-    return ""
+def _torus_parts(p):
+    minor, e = p["minor"], 1.0 + p["minor"]
+    return torus_sdf(1.0, minor), (-e, -minor, -e), (e, minor, e)
 
 
-def _cylinder(rng, size):
-    r, half_h = float(rng.uniform(0.15, 1.0)), float(rng.uniform(0.1, 1.0))
-    aspect = half_h / r  # height / diameter
-    word = _aspect_word(aspect, ["tall thin"], ["flat"], rng)
-    nouns = ["cylinder", "tube", "column"] if aspect > 1.4 else ["cylinder", "can"]
-    noun = "disc" if aspect < 0.35 else _pick(rng, nouns)
-    params = dict(r=r, half_h=half_h)
-    box = (-r, -half_h, -r), (r, half_h, r)
-    return params, f"a {_size_word(size)}{word}{noun}", cylinder_sdf(r, half_h), *box, 0.25
-
-
-def _cone(rng, size):
-    r, half_h = float(rng.uniform(0.2, 1.0)), float(rng.uniform(0.2, 1.0))
-    aspect = half_h / r
-    word = _aspect_word(aspect, ["tall pointy", "tall thin"], ["flat"], rng)
-    noun = _pick(rng, ["cone", "spike"]) if aspect > 1.4 else "cone"
-    params = dict(r=r, half_h=half_h)
-    return params, f"a {_size_word(size)}{word}{noun}", cone_sdf(r, half_h), (-r, -half_h, -r), (r, half_h, r), 0.25
-
-
-def _torus(rng, size):
-    major = 1.0
-    minor = float(rng.uniform(0.12, 0.6))
-    if minor < 0.25:
-        desc = _pick(rng, ["thin ring", "thin hoop"])
-    elif minor > 0.45:
-        desc = _pick(rng, ["fat donut", "thick ring"])
-    else:
-        desc = _pick(rng, ["donut", "torus", "ring"])
-    e = major + minor
-    params = dict(major=major, minor=minor)
-    return params, f"a {_size_word(size)}{desc}", torus_sdf(major, minor), (-e, -minor, -e), (e, minor, e), 0.25
-
-
-def _capsule(rng, size):
-    r, half_h = float(rng.uniform(0.2, 0.7)), float(rng.uniform(0.1, 1.0))
-    aspect = (half_h + r) / r  # total height / diameter
-    word = "tall " if aspect > 2.2 else ""
-    noun = _pick(rng, ["capsule", "pill"])
-    e = half_h + r
-    params = dict(r=r, half_h=half_h)
-    return params, f"a {_size_word(size)}{word}{noun}", capsule_sdf(r, half_h), (-r, -e, -r), (r, e, r), 0.25
+def _capsule_parts(p):
+    r, e = p["r"], p["half_h"] + p["r"]
+    return capsule_sdf(r, p["half_h"]), (-r, -e, -r), (r, e, r)
 
 
 def _legs(xs, zs, y_lo, y_hi, thick, round_legs):
@@ -299,81 +225,170 @@ def _legs(xs, zs, y_lo, y_hi, thick, round_legs):
     return [moved(leg, (sx * xs, mid, sz * zs)) for sx in (-1, 1) for sz in (-1, 1)]
 
 
-def _table(rng, size):
-    w, d = float(rng.uniform(0.6, 1.0)), float(rng.uniform(0.4, 1.0))
-    height = float(rng.uniform(0.3, 1.6))  # floor to top surface
-    top_t = float(rng.uniform(0.05, 0.12))
-    leg_t = float(rng.uniform(0.05, 0.1))
-    round_top = bool(rng.random() < 0.3)
-    round_legs = bool(rng.random() < 0.5)
-    if round_top:
+def _table_parts(p):
+    w, height, top_t, leg_t = p["w"], p["height"], p["top_t"], p["leg_t"]
+    if p["round"]:
         d = w
         top = moved(cylinder_sdf(w, top_t / 2), (0.0, height - top_t / 2, 0.0))
-        inset = w * 0.6  # legs well inside the disc
-        legs = _legs(inset, inset, 0.0, height - top_t, leg_t, round_legs)
+        legs = _legs(w * 0.6, w * 0.6, 0.0, height - top_t, leg_t, True)  # well inside the disc
     else:
+        d = p["d"]
         top = moved(box_sdf((w, top_t / 2, d)), (0.0, height - top_t / 2, 0.0))
-        legs = _legs(w - leg_t - 0.03, d - leg_t - 0.03, 0.0, height - top_t, leg_t, round_legs)
-    if height < 0.6:
-        height_word = "low coffee "
-    else:
-        height_word = "tall bar " if height > 1.3 else _pick(rng, ["", "wooden ", "dining "])
-    shape_word = "round " if round_top else ""
-    params = dict(w=w, d=d, height=height, top_t=top_t, leg_t=leg_t, round_top=round_top, round_legs=round_legs)
-    return params, f"a {shape_word}{height_word}table", union(top, *legs), (-w, 0.0, -d), (w, height, d), 0.0
+        legs = _legs(w - leg_t - 0.03, d - leg_t - 0.03, 0.0, height - top_t, leg_t, False)
+    return union(top, *legs), (-w, 0.0, -d), (w, height, d)
 
 
-def _mug(rng, size):
-    r, half_h = float(rng.uniform(0.4, 0.7)), float(rng.uniform(0.4, 1.0))
-    wall = float(rng.uniform(0.06, 0.12))
+def _mug_parts(p):
+    r, half_h, wall = p["r"], p["half_h"], p["wall"]
     body = cup_sdf(r, half_h, wall)
-    h_major = float(rng.uniform(0.25, 0.45)) * half_h * 1.6
-    h_minor = float(rng.uniform(0.05, 0.09))
+    h_major, h_minor = p["handle"] * half_h, p["handle_t"]
     # A ring in the xy plane (axis z) centred on the wall at +x; the part inside the body's radius
     # is cut off so the handle never pokes into the cavity.
     ring = moved(torus_sdf(h_major, h_minor), (r, 0.0, 0.0), _rot_x(math.pi / 2))
 
-    def handle(p):  # intersection (max) of the ring with the outside of the body's cylinder
-        return torch.maximum(ring(p), r - (p[..., 0] ** 2 + p[..., 2] ** 2).clamp_min(1e-30).sqrt())
-    aspect = half_h / r
-    word = "tall " if aspect > 1.3 else ("wide " if aspect < 0.8 else "")
-    noun = _pick(rng, ["mug", "coffee mug", "cup with a handle"])
+    def handle(q):  # intersection (max) of the ring with the outside of the body's cylinder
+        return torch.maximum(ring(q), r - (q[..., 0] ** 2 + q[..., 2] ** 2).clamp_min(1e-30).sqrt())
     reach = r + h_major + h_minor
-    params = dict(r=r, half_h=half_h, wall=wall, handle_major=h_major, handle_minor=h_minor)
-    return (params, f"a {word}{noun}", union(body, handle),
-            (-r, -half_h, -r), (reach, half_h, r), 0.0)
+    return union(body, handle), (-r, -half_h, -r), (reach, half_h, r)
 
 
-def _chair(rng, size):
-    w, d = float(rng.uniform(0.4, 0.6)), float(rng.uniform(0.4, 0.6))
-    seat_h = float(rng.uniform(0.6, 0.9))
-    seat_t = float(rng.uniform(0.06, 0.1))
-    back_h = float(rng.uniform(0.4, 1.2))
-    back_t = float(rng.uniform(0.05, 0.08))
-    leg_t = float(rng.uniform(0.04, 0.07))
-    round_legs = bool(rng.random() < 0.5)
+def _chair_parts(p):
+    w, d, seat_h, seat_t = p["w"], p["d"], p["seat_h"], p["seat_t"]
+    back_h, back_t, leg_t = p["back_h"], p["back_t"], p["leg_t"]
     seat = moved(box_sdf((w, seat_t / 2, d)), (0.0, seat_h - seat_t / 2, 0.0))
     back = moved(box_sdf((w, back_h / 2, back_t / 2)), (0.0, seat_h + back_h / 2, -d + back_t / 2))
-    legs = _legs(w - leg_t, d - leg_t, 0.0, seat_h - seat_t, leg_t, round_legs)
-    word = "high-backed " if back_h > 0.9 else ("low-backed " if back_h < 0.6 else _pick(rng, ["", "wooden "]))
-    params = dict(w=w, d=d, seat_h=seat_h, seat_t=seat_t, back_h=back_h, back_t=back_t, leg_t=leg_t,
-                  round_legs=round_legs)
-    return params, f"a {word}chair", union(seat, back, *legs), (-w, 0.0, -d), (w, seat_h + back_h, d), 0.0
+    legs = _legs(w - leg_t, d - leg_t, 0.0, seat_h - seat_t, leg_t, False)
+    return union(seat, back, *legs), (-w, 0.0, -d), (w, seat_h + back_h, d)
 
 
-_CLASSES = {
-    "sphere": _sphere, "box": _box, "cylinder": _cylinder, "cone": _cone, "torus": _torus,
-    "capsule": _capsule, "table": _table, "mug": _mug, "chair": _chair,
+def _v(key, phrases, lying=False, **params):
+    return Variant(key, tuple(phrases), params, lying)
+
+
+# Chunky, toy-like furniture: plates and walls at least ~4 cells thick on the resolution-6 grid,
+# so that a one-cell error does not decide a shape's IoU (thin parts are measured by Chamfer).
+_TABLE = dict(w=1.0, d=0.7, top_t=0.16, leg_t=0.09)
+_CHAIR = dict(w=0.5, d=0.5, seat_h=0.75, seat_t=0.14, back_t=0.12, leg_t=0.07)
+_MUG = dict(wall=0.13, handle=0.55, handle_t=0.09)
+
+# class -> (local SDF and bounding box from parameters, variants, revolved about y)
+_CLASSES: dict[str, tuple[Callable, tuple[Variant, ...], bool]] = {
+    "sphere": (lambda p: (sphere_sdf(1.0), (-1, -1, -1), (1, 1, 1)),
+               (_v("plain", ["ball", "sphere", "orb"]),), True),
+    "box": (_box_parts, (
+        _v("cube", ["cube", "cubic block"], hx=1.0, hy=1.0, hz=1.0),
+        _v("plain", ["box", "crate", "block"], hx=1.0, hy=0.7, hz=0.8),
+        _v("flat", ["flat box", "slab", "flat slab"], hx=1.0, hy=0.2, hz=0.8),
+        _v("tall", ["tall box", "pillar", "tall block"], hx=0.4, hy=1.0, hz=0.4),
+        _v("long", ["long box", "beam", "brick"], hx=1.0, hy=0.3, hz=0.35),
+    ), False),
+    "cylinder": (_revolved_parts(cylinder_sdf), (
+        _v("tall thin", ["tall thin cylinder", "pole"], r=0.3, half_h=1.0),
+        _v("tall", ["tall cylinder", "column", "tube"], r=0.6, half_h=1.0),
+        _v("plain", ["cylinder", "can"], r=1.0, half_h=1.0),
+        _v("short", ["short cylinder", "drum"], r=1.0, half_h=0.5),
+        _v("flat", ["flat disc", "disc", "coin"], r=1.0, half_h=0.15),
+        _v("lying", ["cylinder lying on its side", "log"], lying=True, r=0.6, half_h=1.0),
+    ), True),
+    "cone": (_revolved_parts(cone_sdf), (
+        _v("tall", ["tall pointy cone", "spike"], r=0.45, half_h=1.0),
+        _v("plain", ["cone"], r=1.0, half_h=1.0),
+        _v("flat", ["flat cone", "low cone"], r=1.0, half_h=0.4),
+    ), True),
+    "torus": (_torus_parts, (
+        _v("thin", ["thin ring", "hoop"], minor=0.18),
+        _v("plain", ["donut", "torus", "ring"], minor=0.35),
+        _v("fat", ["fat donut", "thick ring"], minor=0.55),
+    ), True),
+    "capsule": (_capsule_parts, (
+        _v("plain", ["capsule", "pill"], r=0.5, half_h=0.4),
+        _v("tall", ["tall capsule", "tall pill"], r=0.35, half_h=0.9),
+        _v("lying", ["capsule lying on its side", "lying pill"], lying=True, r=0.45, half_h=0.7),
+    ), True),
+    "table": (_table_parts, (
+        _v("plain", ["table", "dining table"], round=False, height=1.0, **_TABLE),
+        _v("coffee", ["coffee table", "low table"], round=False, height=0.45, **_TABLE),
+        _v("bar", ["bar table", "tall table"], round=False, height=1.5, **_TABLE),
+        _v("round", ["round table"], round=True, height=1.0, **_TABLE),
+        _v("round coffee", ["round coffee table"], round=True, height=0.45, **_TABLE),
+    ), False),
+    "mug": (_mug_parts, (
+        _v("tall", ["tall mug"], r=0.45, half_h=0.8, **_MUG),
+        _v("plain", ["mug", "coffee mug", "cup with a handle"], r=0.55, half_h=0.55, **_MUG),
+        _v("wide", ["wide mug"], r=0.7, half_h=0.4, **_MUG),
+    ), False),
+    "chair": (_chair_parts, (
+        _v("low-backed", ["low-backed chair"], back_h=0.45, **_CHAIR),
+        _v("plain", ["chair", "wooden chair"], back_h=0.8, **_CHAIR),
+        _v("high-backed", ["high-backed chair"], back_h=1.2, **_CHAIR),
+    ), False),
 }
 CLASSES: tuple[str, ...] = tuple(_CLASSES)
-_REVOLVED = {"sphere", "cylinder", "cone", "torus", "capsule"}
 
 
-def make_shape(name: str, rng: np.random.Generator) -> Shape:
-    """One shape of class `name` drawn from rng."""
-    size = float(rng.uniform(MIN_SIZE, MAX_SIZE))
-    params, prompt, local, lo, hi, tilt_max = _CLASSES[name](rng, size)
-    return _finish(name, dict(params, size=size), prompt, local, lo, hi, rng, tilt_max)
+def variants(name: str) -> tuple[Variant, ...]:
+    return _CLASSES[name][1]
+
+
+def _place(local: SDF, lo, hi, size: float, rot: np.ndarray) -> tuple[SDF, float]:
+    """Rotate, then centre and scale so the bounding box of the rotated local box fits
+    [-size, size]^3 (exact for boxes; for a yawed round part only an upper bound)."""
+    corners = np.array([[x, y, z] for x in (lo[0], hi[0]) for y in (lo[1], hi[1]) for z in (lo[2], hi[2])])
+    moved_corners = corners @ rot.T
+    c_lo, c_hi = moved_corners.min(0), moved_corners.max(0)
+    centre, half = (c_lo + c_hi) / 2, float((c_hi - c_lo).max() / 2)
+    s = size / half
+    rot_t = torch.tensor(rot, dtype=torch.float32)
+    shift = torch.tensor(-centre * s, dtype=torch.float32)
+
+    def sdf(p):
+        local_p = ((p - shift.to(p)) / s) @ rot_t.to(p)  # x_local = R^T (x - t) / s
+        return local(local_p) * s  # uniform scaling scales distances
+    return sdf, s
+
+
+def build_shape(name: str, variant: Variant, size_level: str, prompt: str, params: dict,
+                size: float, yaw: float = 0.0) -> Shape:
+    """A shape from explicit parameters (the canonical ones for `canonical_shape`)."""
+    parts, _, revolved = _CLASSES[name]
+    local, lo, hi = parts(params)
+    # Yaw does not change a solid of revolution but would inflate its rotated corner box.
+    yaw = 0.0 if revolved else yaw
+    rot = _rot_y(yaw) @ (_rot_z(math.pi / 2) if variant.lying else np.eye(3))
+    sdf, scale = _place(local, lo, hi, size, rot)
+    full = dict(params, size=size, yaw=yaw, scale=scale, variant=variant.key, size_level=size_level)
+    return Shape(name=name, params=full, prompt=prompt, sdf=sdf)
+
+
+def _prompt(variant: Variant, size_level: str, rng: np.random.Generator) -> str:
+    size_word = _pick(rng, _SIZE_WORDS[size_level])
+    return "a " + (size_word + " " if size_word else "") + _pick(rng, variant.phrases)
+
+
+def _pick(rng: np.random.Generator, options):
+    return options[int(rng.integers(len(options)))]
+
+
+def make_shape(name: str, rng: np.random.Generator, variant_index: int | None = None) -> Shape:
+    """One shape of class `name` drawn from rng: variant (unless given), size level, wording,
+    jitter."""
+    options = variants(name)
+    variant = _pick(rng, options) if variant_index is None else options[variant_index % len(options)]
+    size_level = _pick(rng, tuple(SIZE_LEVELS))
+    prompt = _prompt(variant, size_level, rng)
+    params = {k: float(v * rng.uniform(1 - JITTER, 1 + JITTER)) if isinstance(v, float) else v
+              for k, v in variant.params.items()}
+    size = SIZE_LEVELS[size_level] + float(rng.uniform(-SIZE_JITTER, SIZE_JITTER))
+    yaw = float(rng.uniform(-YAW_JITTER, YAW_JITTER))
+    return build_shape(name, variant, size_level, prompt, params, size, yaw)
+
+
+def canonical_shape(name: str, variant_key: str, size_level: str = "medium") -> Shape:
+    """The un-jittered shape of a concept, worded with its first synonyms."""
+    variant = {v.key: v for v in variants(name)}[variant_key]
+    size_word = _SIZE_WORDS[size_level][0]
+    prompt = "a " + (size_word + " " if size_word else "") + variant.phrases[0]
+    return build_shape(name, variant, size_level, prompt, dict(variant.params), SIZE_LEVELS[size_level])
 
 
 def _shapes(n: int, seed_words: list[int], classes) -> list[Shape]:
@@ -381,8 +396,11 @@ def _shapes(n: int, seed_words: list[int], classes) -> list[Shape]:
     unknown = set(classes) - set(CLASSES)
     if unknown:
         raise ValueError(f"unknown shape classes {sorted(unknown)}; known: {list(CLASSES)}")
-    # Classes cycle so every class is equally represented; each shape has its own stream.
-    return [make_shape(classes[i % len(classes)], np.random.default_rng(seed_words + [i])) for i in range(n)]
+    # Classes cycle so every class is equally represented, and within a class its variants
+    # cycle (every variant equally often); each shape draws the rest from its own stream.
+    k = len(classes)
+    return [make_shape(classes[i % k], np.random.default_rng(seed_words + [i]), variant_index=i // k)
+            for i in range(n)]
 
 
 def sample_shapes(n: int, seed: int = 0, classes=None) -> list[Shape]:
