@@ -282,18 +282,24 @@ def _shape_occupancy_as_blob(tok: ShapeTokenizer, seed: int) -> None:
 
 def write_random_weights(cfg: ModelConfig | str, out_dir: str | Path, seed: int = 0) -> Path:
     """`cubeserve weights init`: safetensors in the reference naming, config.yaml and a tiny CLIP."""
-    from safetensors.torch import save_file
-
     from cubeserve.model.text import build_tiny_clip
 
     cfg = get_config(cfg) if isinstance(cfg, str) else cfg
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     gpt, tok = init_random_models(cfg, seed)
-    for module, name in ((gpt, GPT_FILE), (tok, TOKENIZER_FILE)):
-        state = {k: v.detach().contiguous() for k, v in module.named_parameters()}
-        save_file(state, str(out / name), metadata={"format": "pt"})
-    write_yaml(cfg, out / "config.yaml")
+    out = save_checkpoint(cfg, gpt, tok, out_dir)
     build_tiny_clip(out / CLIP_DIR, hidden_size=cfg.gpt.text_model_embed_dim, seed=seed,
                     max_length=cfg.text_max_length)
+    return out
+
+
+def save_checkpoint(cfg: ModelConfig, gpt: DualStreamGPT, tok: ShapeTokenizer, out_dir: str | Path) -> Path:
+    """The two safetensors files (fp32, parameters only, the reference's names) and config.yaml."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for module, name in ((gpt, GPT_FILE), (tok, TOKENIZER_FILE)):
+        state = {k: v.detach().float().contiguous() for k, v in module.named_parameters()}
+        save_file(state, str(out / name), metadata={"format": "pt"})
+    write_yaml(cfg, out / "config.yaml")
     return out

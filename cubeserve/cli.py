@@ -134,6 +134,48 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _train_settings(args):
+    from dataclasses import replace
+
+    from cubeserve.demo import train
+
+    tok, gpt = train.TokenizerTraining(), train.GPTTraining()
+    if getattr(args, "tokenizer_steps", None):
+        tok = replace(tok, steps=args.tokenizer_steps)
+    if getattr(args, "gpt_steps", None):
+        gpt = replace(gpt, steps=args.gpt_steps)
+    return tok, gpt
+
+
+def cmd_train(args) -> int:
+    from cubeserve.config import get_config
+    from cubeserve.demo import build
+
+    cfg = get_config(args.config)
+    tok_settings, gpt_settings = _train_settings(args)
+    common = dict(cfg=cfg, seed=args.seed, n_shapes=args.shapes or build.TRAINING_SHAPES,
+                  show_progress=not args.no_progress)
+    if args.stage == "tokenizer":
+        build.run_tokenizer_stage(args.work_dir, settings=tok_settings, **common)
+    elif args.stage == "gpt":
+        tok, gpt = build.run_gpt_stage(args.work_dir, settings=gpt_settings, **common)
+        build.export(args.work_dir, args.out, cfg, gpt, tok)
+        print(f"checkpoint written to {args.out} (evaluate it with `cubeserve evaluate {args.out}`)")
+    else:
+        build.build_demo_model(args.work_dir, args.out, tokenizer_settings=tok_settings,
+                               gpt_settings=gpt_settings, **common)
+        print(f"checkpoint, {build.CARD_FILE} and {build.EVALUATION_FILE} written to {args.out}")
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from cubeserve.demo.evaluate import evaluate_dir
+
+    evaluation = evaluate_dir(args.weights, n=args.shapes, resolution=args.resolution, device=args.device)
+    print(json.dumps(evaluation.to_dict(), indent=2) if args.json else evaluation.markdown_table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cubeserve", description="Serve Cube 3D text-to-3D models.")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -183,11 +225,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="local Triton server + client: prompt -> outputs/demo.glb and .png")
-    d.add_argument("--prompt", default="a round wooden table")
+    d.add_argument("--prompt", default="a round table")
     d.add_argument("--out", default="outputs/demo.glb")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resolution", type=int, default=6)
     d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("train", help="train the demo model on procedural shapes (CPU, minutes)")
+    t.add_argument("stage", choices=["tokenizer", "gpt", "all"],
+                   help="tokenizer, then gpt (exports the checkpoint); all = both + evaluation + model card")
+    t.add_argument("--config", default="demo")
+    t.add_argument("--work-dir", default="outputs/demo-train",
+                   help="dataset cache, tiny CLIP and resumable training states")
+    t.add_argument("--out", default="outputs/demo-model", help="checkpoint directory written by gpt / all")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shapes", type=int, default=None, help="training shapes (default: the recipe's)")
+    t.add_argument("--tokenizer-steps", type=int)
+    t.add_argument("--gpt-steps", type=int)
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("evaluate", help="held-out IoU / Chamfer of a checkpoint against procedural shapes")
+    e.add_argument("weights")
+    e.add_argument("--shapes", type=int, default=45)
+    e.add_argument("--resolution", type=int, default=6)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_evaluate)
 
     from cubeserve.rollout import add_rollout_parser
 

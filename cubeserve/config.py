@@ -155,7 +155,21 @@ BENCH_MID = ModelConfig(
     text_model="clip",
 )
 
-PRESETS: dict[str, ModelConfig] = {c.name: c for c in (V0_1, V0_5, TINY, TINY_BBOX, BENCH_MID)}
+# The demo model trained on procedural shapes (`cubeserve train`, cubeserve/demo): small enough
+# to train on two CPU cores in under 30 minutes, large enough to tell a mug from a chair.
+DEMO = ModelConfig(
+    name="demo",
+    gpt=GPTConfig(n_layer=4, n_single_layer=1, n_head=4, n_embd=128,
+                  shape_model_vocab_size=512, shape_model_embed_dim=16, text_model_embed_dim=64),
+    tokenizer=TokenizerConfig(
+        num_encoder_latents=32, embed_dim=16, width=64, num_heads=2, num_freqs=16,
+        num_encoder_layers=3, encoder_cross_attention_levels=(0, 2), num_decoder_layers=3,
+        num_codes=512,
+    ),
+    text_model="clip",
+)
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (V0_1, V0_5, TINY, TINY_BBOX, BENCH_MID, DEMO)}
 
 
 def get_config(name_or_path: str | Path) -> ModelConfig:

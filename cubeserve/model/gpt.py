@@ -188,7 +188,18 @@ class DualStreamGPT(nn.Module):
         single_block_mode: SingleBlockMode = "causal",
         compute_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """Logits [B, L, vocab] for every shape position, recomputing everything.
+        """The reference's uncached mode: `forward` without gradients."""
+        return self.forward(shape_embeds, cond, single_block_mode, compute_dtype)
+
+    def forward(
+        self,
+        shape_embeds: torch.Tensor,
+        cond: torch.Tensor,
+        single_block_mode: SingleBlockMode = "causal",
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, L, vocab] for every shape position, recomputing everything (also the
+        training forward: teacher forcing over a whole sequence).
 
         One joint attention over [cond ; shape] with the plain lower-triangular mask, as the
         reference's uncached mode. `single_block_mode="reference"` gives the single block the
