@@ -23,7 +23,7 @@ STREAM_MODEL = "cube3d_stream"
 
 # KServe's storage initializer downloads `storageUri` here (or mounts a pvc:// there).
 KSERVE_MODEL_DIR = "/mnt/models"
-# The runtime image keeps the repository's code and a tiny random demo checkpoint here
+# The runtime image keeps the repository's code and the demo checkpoint (models/demo) here
 # (k8s/Dockerfile); the CPU overlay serves it without any storage.
 IMAGE_MODEL_REPOSITORY = "/opt/cube-serve/triton_models"
 # Non-root user of the runtime image; numeric so that Kubernetes can check runAsNonRoot.

@@ -24,6 +24,8 @@ from cubeserve import deploy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "triton_models"
+# The trained demo checkpoint shipped with the project (`make demo-model` rebuilds it).
+DEMO_MODEL = REPO_ROOT / "models" / "demo"
 
 
 def tritonserver_home() -> Path:
@@ -153,12 +155,17 @@ class LocalTriton:
         self.stop()
 
 
-def ensure_demo_weights(model_repository: Path = MODEL_REPOSITORY, config: str = "tiny", seed: int = 0) -> Path:
-    """Random tiny weights for every `cube3d_stream` version directory that has none."""
+def ensure_demo_weights(model_repository: Path = MODEL_REPOSITORY, demo_model: Path = DEMO_MODEL) -> Path:
+    """Give every `cube3d_stream` version directory without weights a copy of the demo model
+    (tiny random weights where the demo model is absent, e.g. an installed package)."""
     from cubeserve.checkpoint import write_random_weights
 
     written = None
     for version_dir in sorted((model_repository / "cube3d_stream").iterdir()):
         if version_dir.is_dir() and version_dir.name.isdigit() and not (version_dir / "weights").exists():
-            written = write_random_weights(config, version_dir / "weights", seed=seed + int(version_dir.name) - 1)
+            written = version_dir / "weights"
+            if (demo_model / "config.yaml").is_file():
+                shutil.copytree(demo_model, written)
+            else:
+                write_random_weights("tiny", written, seed=int(version_dir.name) - 1)
     return written or model_repository / "cube3d_stream"
