@@ -40,7 +40,8 @@ def validate(checkpoint: str, registry_uri: str, model_name: str
 
 @dsl.component(base_image=IMAGE)
 def evaluate(existing_version: str, checkpoint: str, prompts: list, resolution: int, device: str,
-             registry_uri: str, model_name: str, metrics: Output[Metrics], report: Output[HTML]) -> dict:
+             heldout_shapes: int, registry_uri: str, model_name: str, metrics: Output[Metrics],
+             report: Output[HTML]) -> dict:
     """Meshes for the fixed prompts, compared with the champion's tokens when there is one."""
     from pathlib import Path
 
@@ -54,7 +55,7 @@ def evaluate(existing_version: str, checkpoint: str, prompts: list, resolution: 
 
     champion = ModelRegistry(registry_uri, model_name).by_alias(CHAMPION)
     champion_weights = str(Path(champion.source) / "weights") if champion else ""
-    result = evaluate_checkpoint(checkpoint, list(prompts), resolution, device, champion_weights)
+    result = evaluate_checkpoint(checkpoint, list(prompts), resolution, device, champion_weights, heldout_shapes)
     for key, value in result["metrics"].items():
         metrics.log_metric(key, float(value))
     with open(report.path, "w") as f:
@@ -64,14 +65,14 @@ def evaluate(existing_version: str, checkpoint: str, prompts: list, resolution: 
 
 @dsl.component(base_image=IMAGE)
 def gate(existing_version: str, metrics: dict, min_valid_share: float, min_watertight_share: float,
-         min_token_agreement: float, max_time_per_output_token_s: float) -> str:
+         min_token_agreement: float, max_time_per_output_token_s: float, min_shape_iou: float) -> str:
     """Fails the run (before anything is packaged) when a metric misses its threshold."""
     if existing_version:
         return f"skipped: already version {existing_version}"
     from cubeserve.pipeline.steps import gate as check
 
     summary = check(metrics, min_valid_share, min_watertight_share, min_token_agreement,
-                    max_time_per_output_token_s)
+                    max_time_per_output_token_s, min_shape_iou)
     print(summary)
     return summary
 
@@ -137,6 +138,8 @@ def checkpoint_rollout(
     min_watertight_share: float = 0.0,
     min_token_agreement: float = 0.0,
     max_time_per_output_token_s: float = 1.0,
+    heldout_shapes: int = 0,
+    min_shape_iou: float = 0.0,
     target: str = "local",
     triton_url: str = "",
     canary_percent: int = 10,
@@ -150,11 +153,12 @@ def checkpoint_rollout(
     # dsl.If: kfp.local 2.17 cannot resolve a task output inside a condition.)
     existing = checked.outputs["existing_version"]
     evaluated = evaluate(existing_version=existing, checkpoint=checkpoint, prompts=prompts,
-                         resolution=resolution, device=device, registry_uri=registry_uri, model_name=model_name)
+                         resolution=resolution, device=device, heldout_shapes=heldout_shapes,
+                         registry_uri=registry_uri, model_name=model_name)
     passed = gate(existing_version=existing, metrics=evaluated.outputs["Output"],
                   min_valid_share=min_valid_share, min_watertight_share=min_watertight_share,
                   min_token_agreement=min_token_agreement,
-                  max_time_per_output_token_s=max_time_per_output_token_s)
+                  max_time_per_output_token_s=max_time_per_output_token_s, min_shape_iou=min_shape_iou)
     packaged = package(existing_version=existing, checkpoint=checkpoint, store=store,
                        validation=checked.outputs["validation"], registry_uri=registry_uri,
                        model_name=model_name).after(passed)

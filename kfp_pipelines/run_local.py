@@ -87,12 +87,16 @@ def main(argv=None) -> int:
     parser.add_argument("--resolution", type=int, default=5)
     parser.add_argument("--max-time-per-output-token-s", type=float, default=1.0)
     parser.add_argument("--min-token-agreement", type=float, default=0.0)
+    parser.add_argument("--heldout-shapes", type=int, default=0,
+                        help="score generations against this many held-out procedural shapes (demo benchmark)")
+    parser.add_argument("--min-shape-iou", type=float, default=0.0, help="gate on that benchmark's mean IoU")
     parser.add_argument("--canary-percent", type=int, default=10)
     parser.add_argument("--soak-requests", type=int, default=2)
     args = parser.parse_args(argv)
     outputs = run(args.checkpoint, args.store, args.registry_uri, args.triton_url, device=args.device,
                   resolution=args.resolution, max_time_per_output_token_s=args.max_time_per_output_token_s,
-                  min_token_agreement=args.min_token_agreement, canary_percent=args.canary_percent,
+                  min_token_agreement=args.min_token_agreement, heldout_shapes=args.heldout_shapes,
+                  min_shape_iou=args.min_shape_iou, canary_percent=args.canary_percent,
                   soak_requests=args.soak_requests)
     print(json.dumps(outputs, indent=2))
     return 0

@@ -24,7 +24,7 @@ from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
 
 # The only files a checkpoint may hold: tensors as safetensors, configs and tokenizer files as
 # text. Anything else (a pickle above all) is refused by name before anything is read.
-ALLOWED_SUFFIXES = {".safetensors", ".yaml", ".yml", ".json", ".txt", ".model"}
+ALLOWED_SUFFIXES = {".safetensors", ".yaml", ".yml", ".json", ".txt", ".model", ".md"}
 DEFAULT_PROMPTS = ("a red chair", "a wooden table", "a small boat")
 
 
@@ -130,8 +130,11 @@ def _token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def evaluate_checkpoint(checkpoint: str, prompts: list[str], resolution: int = 5, device: str = "cpu",
-                        champion_weights: str = "") -> dict:
-    """Meshes for fixed prompts (greedy, seed 0): validity, timings, agreement with the champion.
+                        champion_weights: str = "", heldout_shapes: int = 0) -> dict:
+    """Meshes for fixed prompts (greedy, seed 0): validity, timings, agreement with the champion;
+    with `heldout_shapes` > 0, also the demo benchmark (`cubeserve.demo.evaluate`): mean IoU of
+    generated and of tokenizer-reconstructed meshes against held-out procedural shapes (-1
+    when not run). Only models trained on those shapes score well on it.
 
     Returns {"metrics": {...}, "html": report}. Metrics are per run, not per prompt, so that
     the gate and the registry compare like with like."""
@@ -165,7 +168,15 @@ def evaluate_checkpoint(checkpoint: str, prompts: list[str], resolution: int = 5
         "time_per_output_token_s": results[0].timings["time_per_token_s"],
         "time_per_object_s": elapsed / n,
         "token_agreement": -1.0,  # no champion to compare with
+        "shape_iou": -1.0,
+        "shape_reconstruction_iou": -1.0,
     }
+    if heldout_shapes > 0:
+        from cubeserve.demo.evaluate import evaluate_engine
+
+        summary = evaluate_engine(engine, n=heldout_shapes, resolution=resolution).summary
+        metrics["shape_iou"] = summary["generation_iou"]
+        metrics["shape_reconstruction_iou"] = summary["reconstruction_iou"]
     if champion_weights:
         champion = Engine.from_dir(champion_weights, device=device)
         theirs = champion.generate_tokens([GenerationRequest(prompt=p, seed=0) for p in prompts]).tolist()
@@ -191,10 +202,15 @@ def _report(checkpoint: str, metrics: dict, rows: list, resolution: int, device:
 # -- 3. gate -----------------------------------------------------------------------------------
 
 def gate(metrics: dict, min_valid_share: float, min_watertight_share: float,
-         min_token_agreement: float, max_time_per_output_token_s: float) -> str:
+         min_token_agreement: float, max_time_per_output_token_s: float, min_shape_iou: float = 0.0) -> str:
     """Raise GateFailed listing every threshold missed; a passing summary otherwise.
-    Token agreement is only checked against an existing champion (it is -1 without one)."""
+    Token agreement is only checked against an existing champion (it is -1 without one);
+    a shape-IoU threshold requires the held-out shape benchmark to have run."""
     failures = []
+    if min_shape_iou > 0 and metrics.get("shape_iou", -1.0) < min_shape_iou:
+        measured = metrics.get("shape_iou", -1.0)
+        failures.append(f"shape_iou {measured:.3f} < {min_shape_iou}" if measured >= 0 else
+                        f"shape_iou not measured (heldout_shapes = 0) but min_shape_iou = {min_shape_iou}")
     if metrics["valid_share"] < min_valid_share:
         failures.append(f"valid_share {metrics['valid_share']:.3f} < {min_valid_share}")
     if metrics["watertight_share"] < min_watertight_share:
