@@ -129,7 +129,7 @@ def test_failing_gate_stops_before_packaging(env, champion, tmp_path):
     with pytest.raises(steps.GateFailed, match="token_agreement"):
         pipeline_module.gate.python_func(existing_version="", metrics=metrics, min_valid_share=1.0,
                                          min_watertight_share=0.0, min_token_agreement=0.99,
-                                         max_time_per_output_token_s=1.0)
+                                         max_time_per_output_token_s=1.0, min_shape_iou=0.0)
     with pytest.raises(steps.GateFailed, match="time_per_output_token_s"):
         steps.gate(metrics, 1.0, 0.0, 0.0, max_time_per_output_token_s=1e-9)
     assert_champion_still_serving(env)
