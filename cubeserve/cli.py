@@ -163,7 +163,7 @@ def cmd_train(args) -> int:
         print(f"checkpoint written to {args.out} (evaluate it with `cubeserve evaluate {args.out}`)")
     else:
         build.build_demo_model(args.work_dir, args.out, tokenizer_settings=tok_settings,
-                               gpt_settings=gpt_settings, **common)
+                               gpt_settings=gpt_settings, eval_shapes=args.eval_shapes, **common)
         print(f"checkpoint, {build.CARD_FILE} and {build.EVALUATION_FILE} written to {args.out}")
     return 0
 
@@ -242,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shapes", type=int, default=None, help="training shapes (default: the recipe's)")
     t.add_argument("--tokenizer-steps", type=int)
     t.add_argument("--gpt-steps", type=int)
+    t.add_argument("--eval-shapes", type=int, default=45, help="held-out shapes scored for the card (all)")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
 

@@ -35,14 +35,24 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_dataset_cache_is_reused_only_for_the_same_shapes(tmp_path, small_set):
+def test_dataset_cache_is_reused_only_for_the_same_shapes(tmp_path, small_set, monkeypatch):
     shape_list = shapes.sample_shapes(4, seed=0)
     built = ShapeSet.load_or_build(tmp_path / "d.pt", shape_list, seed=0)
     assert torch.equal(built.surface, small_set.surface) and built.prompts == small_set.prompts
-    cached = ShapeSet.load_or_build(tmp_path / "d.pt", shape_list, seed=0)
-    assert torch.equal(cached.labels, built.labels)
-    other = ShapeSet.load_or_build(tmp_path / "d.pt", shapes.sample_shapes(4, seed=1), seed=1)
-    assert other.prompts != built.prompts  # a different set is rebuilt, not served from the cache
+    real_build = ShapeSet.build
+
+    def no_build(*a, **k):
+        raise AssertionError("rebuilt although cached")
+    monkeypatch.setattr(ShapeSet, "build", no_build)
+    assert torch.equal(ShapeSet.load_or_build(tmp_path / "d.pt", shape_list, seed=0).labels, built.labels)
+    # The same prompts with other parameters (a changed shape definition) are sampled again.
+    moved = [shapes.build_shape(s.name, shapes.variants(s.name)[0], s.params["size_level"], s.prompt,
+                                {k: v for k, v in shapes.variants(s.name)[0].params.items()}, 0.5)
+             for s in shape_list]
+    with pytest.raises(AssertionError, match="rebuilt"):
+        ShapeSet.load_or_build(tmp_path / "d.pt", moved, seed=0)
+    monkeypatch.setattr(ShapeSet, "build", real_build)
+    assert ShapeSet.load_or_build(tmp_path / "d.pt", moved, seed=0).prompts == built.prompts
 
 
 QUIET = dict(show_progress=False, log=lambda _: None)
@@ -165,3 +175,20 @@ def test_pipeline_gate_can_require_the_shape_benchmark(tiny_weights):
     with pytest.raises(GateFailed, match="not measured"):
         gate(unmeasured, **thresholds, min_shape_iou=0.6)
     assert gate(unmeasured, **thresholds).startswith("gate passed")  # no threshold, no benchmark needed
+
+
+def test_train_command_writes_a_checkpoint_with_its_card(tmp_path):
+    """`cubeserve train all` end to end at a toy size: a strict-loading checkpoint, the card and
+    the evaluation it reports; `cubeserve evaluate` scores the result again."""
+    from cubeserve.cli import main
+
+    out = tmp_path / "model"
+    args = ["train", "all", "--config", "tiny", "--shapes", "9", "--tokenizer-steps", "3", "--gpt-steps", "2",
+            "--work-dir", str(tmp_path / "work"), "--out", str(out), "--eval-shapes", "9", "--no-progress"]
+    assert main(args) == 0
+    assert validate_dir(out)[0] == TINY
+    recorded = json.loads((out / build.EVALUATION_FILE).read_text())
+    assert len(recorded["scores"]) == 9 and recorded["training"]["tokenizer"]["steps"] == 3
+    card = (out / build.CARD_FILE).read_text()
+    assert "NOT met" in card  # three steps teach nothing, and the card says so
+    assert (tmp_path / "work" / train.TOKENIZER_STATE).is_file() and (tmp_path / "work" / train.GPT_STATE).is_file()

@@ -20,7 +20,7 @@ import torch
 from cubeserve.checkpoint import CLIP_DIR, save_checkpoint
 from cubeserve.config import DEMO, ModelConfig
 from cubeserve.demo import train
-from cubeserve.demo.evaluate import Evaluation, evaluate_dir
+from cubeserve.demo.evaluate import HELDOUT_SHAPES, Evaluation, evaluate_dir
 
 TRAINING_SHAPES = 1536
 CARD_FILE = "MODEL_CARD.md"
@@ -121,7 +121,7 @@ def build_demo_model(work_dir: Path, out_dir: Path, cfg: ModelConfig = DEMO, see
                      n_shapes: int = TRAINING_SHAPES,
                      tokenizer_settings: train.TokenizerTraining = train.TokenizerTraining(),
                      gpt_settings: train.GPTTraining = train.GPTTraining(), show_progress: bool = True,
-                     log=print) -> Evaluation:
+                     eval_shapes: int = HELDOUT_SHAPES, log=print) -> Evaluation:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     seconds = {}
     t0 = time.perf_counter()
@@ -134,7 +134,7 @@ def build_demo_model(work_dir: Path, out_dir: Path, cfg: ModelConfig = DEMO, see
     tok, gpt = run_gpt_stage(work_dir, cfg, seed, n_shapes, gpt_settings, show_progress)
     seconds["gpt"] = time.perf_counter() - t0
     export(work_dir, out_dir, cfg, gpt, tok)
-    evaluation = evaluate_dir(out_dir)
+    evaluation = evaluate_dir(out_dir, n=eval_shapes)
     record = dict(seed=seed, training_shapes=n_shapes, tokenizer=asdict(tokenizer_settings), gpt=asdict(gpt_settings),
                   seconds=seconds, machine=f"{platform.processor() or platform.machine()}, "
                                             f"{torch.get_num_threads()} threads, torch {torch.__version__}")
