@@ -107,9 +107,14 @@ class _Checkpointed:
 
 
 def _progress(total: int, initial: int, desc: str, enabled: bool):
+    import sys
+
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True)
+    # On a terminal the bar redraws in place; in a log file every redraw is a line: fewer there.
+    interval = 0.1 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True,
+                mininterval=interval)
 
 
 # -- dataset --------------------------------------------------------------------------------------
