@@ -151,6 +151,10 @@ def cmd_train(args) -> int:
     from cubeserve.config import get_config
     from cubeserve.demo import build
 
+    for name in ("shapes", "tokenizer_steps", "gpt_steps", "eval_shapes"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     cfg = get_config(args.config)
     tok_settings, gpt_settings = _train_settings(args)
     common = dict(cfg=cfg, seed=args.seed, n_shapes=args.shapes or build.TRAINING_SHAPES,

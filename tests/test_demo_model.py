@@ -192,3 +192,12 @@ def test_train_command_writes_a_checkpoint_with_its_card(tmp_path):
     card = (out / build.CARD_FILE).read_text()
     assert "NOT met" in card  # three steps teach nothing, and the card says so
     assert (tmp_path / "work" / train.TOKENIZER_STATE).is_file() and (tmp_path / "work" / train.GPT_STATE).is_file()
+
+
+def test_train_command_refuses_bad_sizes_by_name(tmp_path, capsys):
+    from cubeserve.cli import main
+
+    assert main(["train", "all", "--shapes", "-1", "--work-dir", str(tmp_path)]) == 2
+    assert "--shapes must be at least 1, got -1" in capsys.readouterr().err
+    assert main(["train", "gpt", "--work-dir", str(tmp_path / "empty")]) == 2
+    assert "run `cubeserve train tokenizer` first" in capsys.readouterr().err
