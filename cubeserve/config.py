@@ -159,7 +159,7 @@ BENCH_MID = ModelConfig(
 # to train on two CPU cores in under 30 minutes, large enough to tell a mug from a chair.
 DEMO = ModelConfig(
     name="demo",
-    gpt=GPTConfig(n_layer=4, n_single_layer=1, n_head=4, n_embd=128,
+    gpt=GPTConfig(n_layer=3, n_single_layer=1, n_head=4, n_embd=96,
                   shape_model_vocab_size=512, shape_model_embed_dim=16, text_model_embed_dim=64),
     tokenizer=TokenizerConfig(
         num_encoder_latents=32, embed_dim=16, width=64, num_heads=2, num_freqs=16,

@@ -71,6 +71,10 @@ def test_tokenizer_training_is_deterministic_and_resumes_to_the_same_weights(tmp
     _train_tokenizer(tmp_path / "d", small_set, stop_at=2)
     assert torch.load(tmp_path / "d" / train.TOKENIZER_STATE, weights_only=True)["step"] == 2
     assert _same(straight, _state(_train_tokenizer(tmp_path / "d", small_set)))
+    # A state from another recipe is refused by path, not continued or overwritten.
+    other = train.TokenizerTraining(**{**FAST_TOKENIZER.__dict__, "lr": 5e-4})
+    with pytest.raises(ValueError, match="another config, settings, seed or dataset"):
+        train.train_tokenizer(TINY, small_set, tmp_path / "d", other, seed=3, **QUIET)
     # The VQ half ran: the trained tokenizer's codes decode, and training moved the weights.
     assert not _same(straight, _state(train.init_tokenizer(TINY, 3, FAST_TOKENIZER.max_frequency)))
 

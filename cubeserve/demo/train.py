@@ -23,8 +23,10 @@ same machine and thread count: CPU summation order depends on both).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -77,18 +79,30 @@ def _lr_at(step: int, total: int, base: float, warmup: int) -> float:
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-class _Checkpointed:
-    """Model + AdamW + generator + step, saved atomically and resumed from `path`."""
+def recipe_key(*parts) -> str:
+    """A digest of everything a training state depends on (config, settings, seed, data)."""
+    text = json.dumps([asdict(p) if is_dataclass(p) else p for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
-    def __init__(self, path: Path, model: torch.nn.Module, lr: float, seed: int, extra: dict | None = None):
+
+class _Checkpointed:
+    """Model + AdamW + generator + step, saved atomically and resumed from `path`; a state
+    written for another recipe (`recipe_key`) is refused, never silently continued."""
+
+    def __init__(self, path: Path, model: torch.nn.Module, lr: float, seed: int, recipe: str,
+                 extra: dict | None = None):
         self.path = path
         self.model = model
+        self.recipe = recipe
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)
         self.step = 0
         self.extra = extra or {}
         if path.is_file():
             state = torch.load(path, weights_only=True)
+            if state.get("recipe") != recipe:
+                raise ValueError(f"{path}: a training state for another config, settings, seed or dataset; "
+                                 "use another --work-dir or delete it to start over")
             model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["opt"])
             self.gen.set_state(state["gen"])
@@ -98,7 +112,7 @@ class _Checkpointed:
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
         torch.save(dict(model=self.model.state_dict(), opt=self.opt.state_dict(), gen=self.gen.get_state(),
-                        step=self.step, extra=self.extra), tmp)
+                        step=self.step, extra=self.extra, recipe=self.recipe), tmp)
         tmp.replace(self.path)
 
     def set_lr(self, lr: float) -> None:
@@ -196,7 +210,7 @@ def train_tokenizer(cfg: ModelConfig, data: ShapeSet, work_dir: Path, settings: 
     tok = init_tokenizer(cfg, seed, s.max_frequency)
     num_codes = cfg.tokenizer.num_codes
     run = _Checkpointed(Path(work_dir) / TOKENIZER_STATE, tok, s.lr, seed,
-                        extra={"usage": torch.zeros(num_codes)})
+                        recipe_key(cfg.tokenizer, s, seed, data.key), extra={"usage": torch.zeros(num_codes)})
     vq_start = int(s.continuous_fraction * s.steps)
     n_shapes, n_surface, n_queries = len(data), data.surface.shape[1], data.queries.shape[1]
     tok.train()
@@ -285,7 +299,8 @@ def train_gpt(cfg: ModelConfig, tok: ShapeTokenizer, text_encoder, data: ShapeSe
         f"{len(torch.unique(ids))} codes in use")
 
     gpt = init_gpt(cfg, seed)
-    run = _Checkpointed(Path(work_dir) / GPT_STATE, gpt, s.lr, seed)
+    run = _Checkpointed(Path(work_dir) / GPT_STATE, gpt, s.lr, seed,
+                        recipe_key(cfg.gpt, s, seed, data.key, ids.tolist()))
     gpt.train()
     with _progress(s.steps, run.step, "gpt", show_progress) as bar:
         while run.step < min(s.steps, stop_at or s.steps):

@@ -181,15 +181,9 @@ class DualStreamGPT(nn.Module):
     # -- the uncached reference forward ---------------------------------------------------------
 
     @torch.no_grad()
-    def forward_uncached(
-        self,
-        shape_embeds: torch.Tensor,
-        cond: torch.Tensor,
-        single_block_mode: SingleBlockMode = "causal",
-        compute_dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
-        """The reference's uncached mode: `forward` without gradients."""
-        return self.forward(shape_embeds, cond, single_block_mode, compute_dtype)
+    def forward_uncached(self, *args, **kwargs) -> torch.Tensor:
+        """The reference's uncached mode: `forward` (same arguments) without gradients."""
+        return self.forward(*args, **kwargs)
 
     def forward(
         self,
