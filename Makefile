@@ -31,7 +31,7 @@ serve: install
 demo: install
 	$(VENV)/bin/cubeserve demo --prompt "$(PROMPT)" --out outputs/demo.glb
 
-# Retrain the shipped demo model (models/demo) from scratch on procedural shapes: ~25 minutes on
+# Retrain the shipped demo model (models/demo) from scratch on procedural shapes: ~19 minutes on
 # two CPU cores; resumes from outputs/demo-train if stopped. Writes its MODEL_CARD.md.
 demo-model: install
 	$(VENV)/bin/cubeserve train all --work-dir outputs/demo-train --out models/demo
