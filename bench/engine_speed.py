@@ -8,6 +8,7 @@ the `mid` config (width 512, 6 dual layers, 16384 codes, 512 tokens) in float32.
 from __future__ import annotations
 
 import resource
+import statistics
 import tempfile
 import time
 
@@ -30,12 +31,16 @@ def build_engine(config: str, device: torch.device, dtype: torch.dtype):
     return Engine(cfg, gpt, tok, TextEncoder(clip_dir, device), device=device, dtype=dtype)
 
 
-def memory_bandwidth(device: torch.device) -> float:
-    """Read bandwidth in GB/s: the best of several full reductions over a large buffer."""
-    n = (1 << 30 if device.type == "cuda" else 1 << 28) // 4
-    x = torch.ones(n, device=device)
-    best = timed(x.sum, device, repeat=10)
-    return n * 4 / best / 1e9
+class ReadBandwidth:
+    """Read bandwidth in GB/s: the best of a few full reductions over a buffer far larger than
+    the caches (1 GiB on a GPU, 256 MiB on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer = torch.ones((1 << 30 if device.type == "cuda" else 1 << 28) // 4, device=device)
+
+    def __call__(self, repeat: int = 3) -> float:
+        return self.buffer.numel() * 4 / timed(self.buffer.sum, self.device, repeat=repeat) / 1e9
 
 
 def time_steps(pool, steps: int) -> float:
@@ -62,18 +67,24 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         torch.cuda.reset_peak_memory_stats(device)
     engine = build_engine(config, device, dtype)
     n = cfg.num_tokens
-    window = window or n  # steps timed per measurement
+    window = min(window or n, n - 1)  # steps timed per row of the table, from position 1
     element = torch.finfo(dtype).bits // 8
-    step_bytes = parameter_counts(cfg)["decode_parameters"] * element
-    bandwidth = memory_bandwidth(device)
+    step_bytes = parameter_counts(cfg, engine.single_block_mode)["decode_parameters"] * element
+    bandwidth = ReadBandwidth(device)
     dev_name = str(device)
     records, rows = [], []
 
     def requests(k):
         return [GenerationRequest(f"benchmark object {i}") for i in range(k)]
 
+    # Every pool first (capture, admission, first token), then timed rounds that visit every
+    # pool in turn, each visit right after a read-bandwidth measurement; round r covers the
+    # same positions in every pool. On a shared machine the bandwidth left to us drifts (a
+    # 2-core VM's read bandwidth measured anywhere from 29 to 58 GB/s within minutes): this
+    # compares flights and modes under the same conditions and each step with the bandwidth
+    # of its own moment.
     modes = [("graphs", True), ("eager cached", False)] if cuda else [("eager cached", False)]
-    results = {}
+    pools, setup = {}, {}
     for mode, graphs in modes:
         for k in flights:
             t0 = time.perf_counter()
@@ -84,17 +95,34 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
             pool.admit(requests(k))
             pool.step()
             sync(device)
-            ttft = time.perf_counter() - t0
-            step = time_steps(pool, min(window, n - 1))
-            results[(mode, k)] = step
-            rec = Record("engine", dev_name, config, mode, k, ms_per_token=step * 1e3,
-                         objects_per_second=k / (step * n), gb_per_second=step_bytes / step / 1e9,
-                         extra={"time_to_first_token_s": ttft, "capture_s": capture if graphs else 0.0,
-                                "bandwidth_share": step_bytes / step / 1e9 / bandwidth, "steps_timed": min(window, n - 1)})
-            records.append(rec)
-            rows.append(f"| {mode} | {k} | {step * 1e3:.2f} | {k / (step * n):.2f} | {ttft * 1e3:.0f} | "
-                        f"{step_bytes / step / 1e9:.1f} ({100 * step_bytes / step / 1e9 / bandwidth:.0f} %) |")
-            del pool
+            pools[(mode, k)] = pool
+            setup[(mode, k)] = (capture if graphs else 0.0, time.perf_counter() - t0)
+    rounds = 4
+    steps = max(1, window // rounds)
+    timed_rounds = {key: [] for key in pools}  # (seconds per step, read GB/s) per round
+    for _ in range(rounds):
+        for key, pool in pools.items():
+            gbps = bandwidth()
+            timed_rounds[key].append((time_steps(pool, steps), gbps))
+    del pools, pool
+
+    results = {}
+    for (mode, k), measured in timed_rounds.items():
+        step = statistics.mean(t for t, _ in measured)  # rounds are equally long: the mean step
+        gbps = statistics.mean(g for _, g in measured)
+        share = statistics.mean(step_bytes / t / 1e9 / g for t, g in measured)
+        capture, ttft = setup[(mode, k)]
+        results[(mode, k)] = step
+        records.append(Record("engine", dev_name, config, mode, k, ms_per_token=step * 1e3,
+                              objects_per_second=k / (step * n), gb_per_second=step_bytes / step / 1e9,
+                              extra={"time_to_first_token_s": ttft, "capture_s": capture,
+                                     "read_bandwidth_gb_per_second": gbps, "bandwidth_share": share,
+                                     "steps_timed": steps * rounds}))
+        rows.append(f"| {mode} | {k} | {step * 1e3:.2f} | {k / (step * n):.2f} | {ttft * 1e3:.0f} | "
+                    f"{step_bytes / step / 1e9:.1f} | {gbps:.0f} | {100 * share:.0f} % |")
+
+    def ratio(num, den):
+        return results[num] / results[den]
 
     # The reference's uncached mode: the full forward over the prefix at every step (1 object).
     uncached_tokens = min(window, 64)
@@ -112,7 +140,7 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
     uncached = (time.perf_counter() - t0) / uncached_tokens
     records.append(Record("engine", dev_name, config, "uncached forward", 1, ms_per_token=uncached * 1e3,
                           extra={"tokens_timed": uncached_tokens}))
-    rows.append(f"| uncached forward (first {uncached_tokens} tokens) | 1 | {uncached * 1e3:.2f} | - | - | - |")
+    rows.append(f"| uncached forward (first {uncached_tokens} tokens) | 1 | {uncached * 1e3:.2f} | - | - | - | - | - |")
 
     # Geometry: dense grid vs coarse-to-fine, one object.
     tokens = engine.generate_tokens(req) if n <= 512 else torch.randint(0, cfg.tokenizer.num_codes, (1, n), device=device)
@@ -130,21 +158,30 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
 
     peak = (torch.cuda.max_memory_allocated(device) / 2**30 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-    eager1 = results[("eager cached", 1)]
+    main_mode = modes[0][0]
+    ratio_lines = [f"uncached forward (its first {uncached_tokens} tokens) / eager cached at 1 object = "
+                   f"{uncached / results[('eager cached', 1)]:.1f}x"]
+    if cuda:
+        ratio_lines.append(f"eager cached / graphs at 1 object = {ratio(('eager cached', 1), ('graphs', 1)):.1f}x")
+    for k in flights[1:]:
+        ratio_lines.append(f"objects/s at {k} vs 1 object in flight ({main_mode}) = "
+                           f"{k * ratio((main_mode, 1), (main_mode, k)):.1f}x")
     lines = [
         f"Config `{config}` ({dtype}), {n} tokens per object, guidance on (2 rows per object). "
-        f"One decode step reads {step_bytes / 1e9:.3f} GB of weights; measured read bandwidth "
-        f"{bandwidth:.0f} GB/s. Time per token = one decode step (steps timed: {min(window, n - 1)}); "
+        f"One decode step reads {step_bytes / 1e9:.3f} GB of weights. Time per token = the mean decode "
+        f"step over positions 1..{steps * rounds} ({'the whole object' if steps * rounds >= n - rounds else 'a window'}), "
+        f"timed in {rounds} rounds of {steps} steps; every round visits every row of the table in "
+        f"turn, each visit right after a read-bandwidth measurement (the best of 3 sums over a large "
+        f"buffer), and the share is the mean over rounds of weight GB/s over that visit's read GB/s. "
+        f"Attention's cache reads grow with the position and are not counted as weight bytes. "
         f"objects/s counts decoding only.",
         "",
-        "| mode | objects in flight | ms per token | objects/s | time to first token (ms) | weight GB/s (share of bandwidth) |",
-        "|---|---|---|---|---|---|",
+        "| mode | objects in flight | ms per token | objects/s | time to first token (ms) | weight GB/s | read GB/s (paired) | share of bandwidth |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
-        f"Ratios in this run: uncached forward / eager cached at 1 object = {uncached / eager1:.1f}x"
-        + (f"; eager cached / graphs at 1 object = {eager1 / results[('graphs', 1)]:.1f}x" if cuda else "")
-        + f"; objects/s at {max(flights)} vs 1 object in flight = "
-        + f"{(max(flights) / results[(modes[0][0], max(flights))]) / (1 / results[(modes[0][0], 1)]):.1f}x.",
+        "Ratios in this run: "
+        + "; ".join(ratio_lines) + ".",
         "",
         "Geometry, one object (seconds): occupancy on the dense grid vs coarse-to-fine (same mesh), and marching cubes.",
         "",

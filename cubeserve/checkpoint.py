@@ -83,12 +83,12 @@ def expected_tensors(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in module.named_parameters()}
 
 
-def parameter_counts(cfg: ModelConfig) -> dict[str, int]:
+def parameter_counts(cfg: ModelConfig, single_block_mode: str = "causal") -> dict[str, int]:
     gpt, tok = build_models(cfg, "meta")
     return {
         "gpt_parameters": sum(p.numel() for p in gpt.parameters()),
         "tokenizer_parameters": sum(p.numel() for p in tok.parameters()),
-        "decode_parameters": decode_parameter_count(gpt),
+        "decode_parameters": decode_parameter_count(gpt, single_block_mode),
     }
 
 

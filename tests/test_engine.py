@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cubeserve.engine import GenerationRequest as Req
-from cubeserve.model.layers import apply_rope, attention, layer_norm, merge_heads
+from cubeserve.model.layers import attention, layer_norm, merge_heads
 
 PROMPTS = ["a red chair", "a round table with four legs", ""]
 
@@ -36,13 +36,12 @@ def _bos_only_forward(gpt, shape_embeds, cond):
     x = shape_embeds.float()
     s, L = cond.shape[1], x.shape[1]
     # Dual blocks: as the uncached forward (they are unaffected by the quirk).
-    cos, sin = gpt.rope(torch.arange(L))
+    rot = gpt.rope(torch.arange(L))
     mask = torch.ones(s + L, s + L, dtype=torch.bool).tril()
     c = cond.float()
     for block in gpt.transformer.dual_blocks:
-        qx, kx, vx = block.attn.pre_x(layer_norm(x, cfg.eps))
-        qc, kc, vc = block.attn.pre_c(layer_norm(c, cfg.eps))
-        qx, kx = apply_rope(qx, cos, sin), apply_rope(kx, cos, sin)
+        qx, kx, vx = block.attn.pre_x(layer_norm(x, cfg.eps), rot)
+        qc, kc, vc = block.attn.pre_c(layer_norm(c, cfg.eps))  # position 0: no rotation
         k, v = torch.cat([kc, kx], 2), torch.cat([vc, vx], 2)
         if block.last:
             x = block.post_1(x, merge_heads(attention(qx, k, v, mask=mask[s:])))

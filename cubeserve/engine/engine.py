@@ -25,7 +25,7 @@ from cubeserve.engine.requests import GenerationRequest
 from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
 from cubeserve.engine.step import prefill_condition
 from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT
-from cubeserve.model.layers import cast_linears
+from cubeserve.model.layers import cast_linears, fuse_linears
 from cubeserve.model.text import TextEncoder
 from cubeserve.model.tokenizer import ShapeTokenizer
 
@@ -74,6 +74,8 @@ class Engine:
         keep_fp32 = tuple(m for m in (gpt.text_proj, gpt.shape_proj, getattr(gpt, "bbox_proj", None)) if m is not None)
         cast_linears(self.gpt, dtype, skip=keep_fp32)
         cast_linears(self.tokenizer, dtype)
+        # Parallel projections (q/k with v, gate with up) become one product each.
+        fuse_linears(self.gpt)
         self.text = text
         # The unconditional prefix: CLIP("") (+ a zero box), prefilled once and shared.
         self.uncond_kv = prefill_condition(self.gpt, self.condition([""], [None]), self.dtype)

@@ -11,7 +11,7 @@ import torch
 
 from cubeserve.engine.cache import KVCache
 from cubeserve.model.gpt import DualStreamGPT
-from cubeserve.model.layers import apply_rope, attention, layer_norm, merge_heads
+from cubeserve.model.layers import attention, layer_norm, merge_heads
 
 
 @torch.no_grad()
@@ -41,26 +41,31 @@ def decode_step(gpt: DualStreamGPT, cache: KVCache, x: torch.Tensor, positions: 
     """One shape token per row: x [R, D] (fp32 embeddings) at `positions` [R] -> logits [R, V].
 
     Runs cache rows 0..R-1. `live` (host int) = 1 + the largest position in the batch:
-    attention reads only the first S + live cache slots. With `uniform` (every row at the same
-    position) no mask is needed.
+    attention reads only the first S + live cache slots. With `uniform` (every row at position
+    live - 1, which the host knows) no mask is needed and cache writes are plain slices.
     """
     cfg = gpt.cfg
     eps = cfg.eps
     s = cache.cond_len
     n_rows = x.shape[0]
-    row_ids = torch.arange(n_rows, device=x.device)
     dtype = cache.dual_k[0].dtype
     x = x.float()[:, None, :]  # [R, 1, D]
-    cos, sin = gpt.rope(positions[:, None])  # [R, 1, hd/2]
-    slots = torch.arange(s + live, device=x.device)
-    dual_mask = None if uniform else (slots[None, :] <= (s + positions)[:, None])[:, None, None, :]
+    rot = gpt.rope(positions[:, None])  # [R, 1, hd/2]
+    if uniform:
+        dual_mask, single_mask = None, None
+        dual_slot, single_slot = s + live - 1, live - 1  # ints: writes are slices
+    else:
+        slots = torch.arange(s + live, device=x.device)
+        dual_mask = (slots[None, :] <= (s + positions)[:, None])[:, None, None, :]
+        single_mask = (slots[None, :live] <= positions[:, None])[:, None, None, :]
+        row_ids = torch.arange(n_rows, device=x.device)
+        dual_slot, single_slot = (row_ids, slice(None), s + positions), (row_ids, slice(None), positions)
 
     for layer, block in enumerate(gpt.transformer.dual_blocks):
-        q, k, v = block.attn.pre_x(layer_norm(x, eps))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = block.attn.pre_x(layer_norm(x, eps), rot)
         kc, vc = cache.dual_k[layer][:n_rows], cache.dual_v[layer][:n_rows]
-        kc[row_ids, :, s + positions] = k[:, :, 0].to(dtype)
-        vc[row_ids, :, s + positions] = v[:, :, 0].to(dtype)
+        _write(kc, dual_slot, k, uniform)
+        _write(vc, dual_slot, v, uniform)
         y = attention(q.to(dtype), kc[:, :, : s + live], vc[:, :, : s + live], mask=dual_mask)
         x = block.post_1(x, merge_heads(y))
 
@@ -69,19 +74,27 @@ def decode_step(gpt: DualStreamGPT, cache: KVCache, x: torch.Tensor, positions: 
         vcache = cache.single_v[layer][:n_rows]
         if cache.single_block_mode == "reference":
             # The reference's cached decode lets every query see slot 0 only (BOS), so the
-            # attention output is BOS's value: kept from the row's position-0 step. Computing
-            # v for every row and selecting avoids a host sync (one D x D product).
-            v_bos = torch.where((positions == 0)[:, None, None, None], block.attn.value(h).to(dtype), vcache)
-            vcache.copy_(v_bos)
-            y = v_bos
+            # attention output is BOS's value: kept from the row's position-0 step. Past
+            # position 0 on every row (the host knows when) that is the cache alone; otherwise
+            # v is computed for every row and selected, which avoids a host sync.
+            if uniform and live > 1:
+                y = vcache
+            else:
+                y = torch.where((positions == 0)[:, None, None, None], block.attn.value(h).to(dtype), vcache)
+                vcache.copy_(y)
         else:
-            q, k, v = block.attn.qkv(h)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = block.attn.qkv(h, rot)
             kc = cache.single_k[layer][:n_rows]
-            kc[row_ids, :, positions] = k[:, :, 0].to(dtype)
-            vcache[row_ids, :, positions] = v[:, :, 0].to(dtype)
-            mask = None if uniform else (slots[None, :live] <= positions[:, None])[:, None, None, :]
-            y = attention(q.to(dtype), kc[:, :, :live], vcache[:, :, :live], mask=mask)
+            _write(kc, single_slot, k, uniform)
+            _write(vcache, single_slot, v, uniform)
+            y = attention(q.to(dtype), kc[:, :, :live], vcache[:, :, :live], mask=single_mask)
         x = block.update(x, merge_heads(y.to(dtype)))
     return gpt.logits(x)[:, 0]
 
+
+def _write(cache: torch.Tensor, slot, value: torch.Tensor, uniform: bool) -> None:
+    """Store value [R, H, 1, hd] at each row's slot: one slice for all rows when uniform."""
+    if uniform:
+        cache[:, :, slot] = value[:, :, 0]
+    else:
+        cache[slot] = value[:, :, 0].to(cache.dtype)

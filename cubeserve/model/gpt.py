@@ -16,8 +16,8 @@ from torch import nn
 
 from cubeserve.config import GPTConfig
 from cubeserve.model.layers import (
-    RMSNorm, SwiGLU, apply_rope, attention, layer_norm, linear, merge_heads, rope_tables,
-    split_heads,
+    FusedLinear, RMSNorm, SwiGLU, apply_linears, apply_rope, attention, layer_norm, linear,
+    merge_heads, rope_tables, split_heads,
 )
 
 SingleBlockMode = Literal["reference", "causal"]
@@ -25,8 +25,27 @@ SINGLE_BLOCK_MODES = ("reference", "causal")
 MAX_POSITIONS = 4096  # RoPE table rows; shape sequences are at most 1025 long
 
 
+def normed_query_key(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, n_head: int,
+                     rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk [B, T, 2D] (queries, then keys) -> q, k [B, H, T, hd]: every head RMS-normed with the
+    q_norm / k_norm weights, then rotated by `rot` ([T, hd/2] or [B, T, hd/2]) when given.
+
+    Queries and keys go through each op together: a decode step runs this on a few rows,
+    where every op's fixed cost outweighs its arithmetic. Same formulas as `RMSNorm` and
+    `apply_rope`, with the same cast to the product's dtype in between.
+    """
+    x = qk.float().unflatten(-1, (2, n_head, -1))  # [B, T, 2, H, hd]
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q_norm.eps)
+    x = (x * torch.stack((q_norm.weight, k_norm.weight)).float()[:, None]).type_as(qk)
+    if rot is not None:
+        x = apply_rope(x, rot[..., None, None, :])
+    q, k = x.unbind(2)
+    return q.transpose(1, 2), k.transpose(1, 2)
+
+
 class StreamProjection(nn.Module):
-    """`attn.pre_x` / `attn.pre_c`: q, k, v of one stream, heads split, q/k RMS-normed (no RoPE).
+    """`attn.pre_x` / `attn.pre_c`: q, k, v of one stream, heads split, q/k RMS-normed and
+    rotated by RoPE when given the rotations.
 
     The last dual block's condition stream has no query: it owns `c_k` (with bias) instead of
     `c_qk`.
@@ -44,17 +63,24 @@ class StreamProjection(nn.Module):
             self.c_k = nn.Linear(d, d, bias=True)
         self.k_norm = RMSNorm(hd)
         self.c_v = nn.Linear(d, d, bias=cfg.bias)
+        self.fused_qkv: FusedLinear | None = None
 
-    def forward(self, h: torch.Tensor):
-        """h: the normed stream [B, T, D] -> (q or None, k, v), each [B, H, T, hd]."""
+    def fuse(self) -> None:
+        self.fused_qkv = FusedLinear(self.c_qk if self.with_query else self.c_k, self.c_v)
+
+    def forward(self, h: torch.Tensor, rot: torch.Tensor | None = None):
+        """h: the normed stream [B, T, D] -> (q or None, k, v), each [B, H, T, hd].
+
+        rot: RoPE rotations [T, hd/2] or [B, T, hd/2] (`DualStreamGPT.rope`), or None.
+        """
+        qk, v = apply_linears((self.c_qk if self.with_query else self.c_k, self.c_v), self.fused_qkv, h)
         if self.with_query:
-            q, k = linear(self.c_qk, h).chunk(2, dim=-1)
-            q = self.q_norm(split_heads(q, self.n_head))
+            q, k = normed_query_key(qk, self.q_norm, self.k_norm, self.n_head, rot)
         else:
-            q, k = None, linear(self.c_k, h)
-        k = self.k_norm(split_heads(k, self.n_head))
-        v = split_heads(linear(self.c_v, h), self.n_head)
-        return q, k, v
+            q, k = None, self.k_norm(split_heads(qk, self.n_head))
+            if rot is not None:
+                k = apply_rope(k, rot if rot.dim() == 2 else rot[:, None])
+        return q, k, split_heads(v, self.n_head)
 
 
 class StreamUpdate(nn.Module):
@@ -98,15 +124,19 @@ class SingleAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=cfg.bias)
         self.q_norm = RMSNorm(cfg.head_dim)
         self.k_norm = RMSNorm(cfg.head_dim)
+        self.fused_qkv: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.fused_qkv = FusedLinear(self.c_qk, self.c_v)
 
     def value(self, h: torch.Tensor) -> torch.Tensor:
         return split_heads(linear(self.c_v, h), self.n_head)
 
-    def qkv(self, h: torch.Tensor):
-        q, k = linear(self.c_qk, h).chunk(2, dim=-1)
-        q = self.q_norm(split_heads(q, self.n_head))
-        k = self.k_norm(split_heads(k, self.n_head))
-        return q, k, split_heads(linear(self.c_v, h), self.n_head)
+    def qkv(self, h: torch.Tensor, rot: torch.Tensor | None = None):
+        """As `StreamProjection.forward`."""
+        qk, v = apply_linears((self.c_qk, self.c_v), self.fused_qkv, h)
+        q, k = normed_query_key(qk, self.q_norm, self.k_norm, self.n_head, rot)
+        return q, k, split_heads(v, self.n_head)
 
 
 class SingleBlock(nn.Module):
@@ -146,14 +176,13 @@ class DualStreamGPT(nn.Module):
 
     # -- pieces shared by the uncached forward and the cached engine --------------------------
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin gathered at integer `positions` (any shape), fp32."""
+    def rope(self, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE rotations (complex64, `apply_rope`) gathered at integer `positions` (any shape)."""
         key = positions.device
         if key not in self._rope_cache:
             self._rope_cache[key] = rope_tables(
                 self.cfg.head_dim, MAX_POSITIONS, self.cfg.rope_theta, positions.device)
-        cos, sin = self._rope_cache[key]
-        return cos[positions], sin[positions]
+        return self._rope_cache[key][positions]
 
     def condition(self, text_hidden: torch.Tensor, bbox: torch.Tensor | None = None) -> torch.Tensor:
         """Condition tokens [B, S, D] in fp32: text_proj(CLIP hidden states) (+ bbox token)."""
@@ -204,22 +233,19 @@ class DualStreamGPT(nn.Module):
         x, c = shape_embeds.float(), cond.float()
         b, s, L = x.shape[0], c.shape[1], x.shape[1]
         dev = x.device
-        cos_x, sin_x = self.rope(torch.arange(L, device=dev))
-        cos_c, sin_c = self.rope(torch.zeros(s, dtype=torch.long, device=dev))
+        rot_x = self.rope(torch.arange(L, device=dev))
+        rot_c = self.rope(torch.zeros(s, dtype=torch.long, device=dev))
         joint_mask = torch.ones(s + L, s + L, dtype=torch.bool, device=dev).tril()
 
         for block in self.transformer.dual_blocks:
-            qx, kx, vx = block.attn.pre_x(layer_norm(x, cfg.eps))
-            qc, kc, vc = block.attn.pre_c(layer_norm(c, cfg.eps))
-            qx, kx = apply_rope(qx, cos_x, sin_x), apply_rope(kx, cos_x, sin_x)
-            kc = apply_rope(kc, cos_c, sin_c)
+            qx, kx, vx = block.attn.pre_x(layer_norm(x, cfg.eps), rot_x)
+            qc, kc, vc = block.attn.pre_c(layer_norm(c, cfg.eps), rot_c)
             k = torch.cat([kc, kx], dim=2).to(dt)
             v = torch.cat([vc, vx], dim=2).to(dt)
             if block.last:
                 y = attention(qx.to(dt), k, v, mask=joint_mask[s:])
                 x = block.post_1(x, merge_heads(y))
             else:
-                qc = apply_rope(qc, cos_c, sin_c)
                 q = torch.cat([qc, qx], dim=2).to(dt)
                 y = attention(q, k, v, mask=joint_mask)
                 c = block.post_2(c, merge_heads(y[:, :, :s]))
@@ -231,16 +257,24 @@ class DualStreamGPT(nn.Module):
             single_mask = torch.zeros(L, L, dtype=torch.bool, device=dev)
             single_mask[:, 0] = True
         for block in self.transformer.single_blocks:
-            q, k, v = block.attn.qkv(layer_norm(x, cfg.eps))
-            q, k = apply_rope(q, cos_x, sin_x), apply_rope(k, cos_x, sin_x)
+            q, k, v = block.attn.qkv(layer_norm(x, cfg.eps), rot_x)
             y = attention(q.to(dt), k.to(dt), v.to(dt), mask=single_mask)
             x = block.update(x, merge_heads(y))
         return self.logits(x)
 
 
-def decode_parameter_count(gpt: DualStreamGPT) -> int:
+def decode_parameter_count(gpt: DualStreamGPT, single_block_mode: SingleBlockMode = "causal") -> int:
     """Parameters one decode step reads: the shape stream of every dual block, the single
-    blocks and lm_head (the condition stream runs once at prefill, wte is a row lookup)."""
+    blocks and lm_head (the condition stream runs once at prefill, wte is a row lookup).
+
+    In "reference" mode a single block's attention output is BOS's value, kept in the cache:
+    past position 0 its q/k/v projections are not read, so they are not counted (the
+    benchmark's bandwidth figures count only what a step reads).
+    """
     modules = [m for blk in gpt.transformer.dual_blocks for m in (blk.attn.pre_x, blk.post_1)]
     modules += list(gpt.transformer.single_blocks) + [gpt.lm_head]
-    return sum(p.numel() for m in modules for p in m.parameters())
+    count = sum(p.numel() for m in modules for p in m.parameters())
+    if single_block_mode == "reference":
+        count -= sum(p.numel() for blk in gpt.transformer.single_blocks
+                     for m in (blk.attn.c_qk, blk.attn.c_v, blk.attn.q_norm, blk.attn.k_norm) for p in m.parameters())
+    return count

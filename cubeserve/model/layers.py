@@ -41,24 +41,76 @@ def rms_norm_noaffine(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-SMALL_BATCH_ROWS = 16  # decode-sized inputs: at most this many rows take the CPU GEMV path
+# Decode-sized inputs (up to 128 objects with guidance) take the CPU weight-streaming path.
+DECODE_ROWS = 256
+
+
+def product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T + bias in the dtype of the weight (the input is cast, as autocast would).
+
+    On the CPU a decode step multiplies a few rows by each weight, and MKL's F.linear layout
+    is the slow one there: W @ x^T streams the weight near memory bandwidth at 2 rows where
+    F.linear reaches 13-50 %, and stays ahead up to 256 rows (lm_head of `mid`: 0.9 vs 7.3 ms
+    at 2 rows, 14 vs 23 ms at 128; even at 1024 rows). It needs the rows contiguous: fed a
+    column-major input (such as the transposed view this returns), MKL takes a slow path (the
+    MLP's down projection ran 3x slower). So rows are made contiguous on the way in (a copy of
+    a few rows, only where needed) and the result stays a transposed view. Same product,
+    another summation order.
+    """
+    x = x.to(weight.dtype)
+    rows = x.numel() // x.shape[-1]
+    if x.device.type == "cpu" and rows <= DECODE_ROWS:
+        x2 = x.reshape(rows, x.shape[-1]).contiguous()
+        y = torch.mm(weight, x2.T) if bias is None else torch.addmm(bias[:, None], weight, x2.T)
+        return y.T.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Apply `layer` in the dtype of its weight (the input is cast, as autocast would).
+    """Apply `layer` in the dtype of its weight (see `product`)."""
+    return product(layer.weight, layer.bias, x)
 
-    On the CPU, a decode step multiplies a few rows by each weight: F.linear then runs at a
-    fraction of memory bandwidth (13-50 % measured for 2 rows), while W @ x^T streams the
-    weight row by row at close to 100 %. Same product, another summation order.
+
+class FusedLinear:
+    """Several nn.Linear layers that read the same input, applied as one product.
+
+    One product streams the weights in one pass: on the CPU a few-row product of a few MB
+    runs further below bandwidth than a larger one (thread start-up and prefetch ramp-up per
+    call), and on the GPU it is one kernel instead of several. The layers' parameters become
+    views of the concatenated weight and bias, so memory is not doubled and checkpoint names
+    are untouched. Not an nn.Module (invisible to state_dict and .to()): fuse after the last
+    move or cast, as `fuse_linears` does in the engine.
     """
-    w = layer.weight
-    x = x.to(w.dtype)
-    rows = x.numel() // x.shape[-1]
-    if x.device.type == "cpu" and rows <= SMALL_BATCH_ROWS:
-        x2 = x.reshape(rows, x.shape[-1])
-        y = torch.mm(w, x2.T) if layer.bias is None else torch.addmm(layer.bias[:, None], w, x2.T)
-        return y.T.reshape(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w, layer.bias)
+
+    def __init__(self, *layers: nn.Linear):
+        self.sizes = [layer.out_features for layer in layers]
+        with torch.no_grad():
+            self.weight = torch.cat([layer.weight for layer in layers])
+            self.bias = None
+            if any(layer.bias is not None for layer in layers):
+                self.bias = torch.cat([layer.bias if layer.bias is not None else
+                                       layer.weight.new_zeros(layer.out_features) for layer in layers])
+        offset = 0
+        for layer, n in zip(layers, self.sizes):
+            layer.weight = nn.Parameter(self.weight[offset: offset + n], requires_grad=False)
+            if layer.bias is not None:
+                layer.bias = nn.Parameter(self.bias[offset: offset + n], requires_grad=False)
+            offset += n
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return product(self.weight, self.bias, x).split(self.sizes, dim=-1)
+
+
+def apply_linears(layers: tuple[nn.Linear, ...], fused: FusedLinear | None, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each layer applied to x: as one fused product where the layers have been fused."""
+    return fused(x) if fused is not None else tuple(linear(layer, x) for layer in layers)
+
+
+def fuse_linears(module: nn.Module) -> None:
+    """Fuse the parallel projections of every submodule that has some (a `fuse` method)."""
+    for m in module.modules():
+        if hasattr(m, "fuse"):
+            m.fuse()
 
 
 class SwiGLU(nn.Module):
@@ -69,9 +121,14 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.fused_gate_up: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        self.fused_gate_up = FusedLinear(self.gate_proj, self.up_proj)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, u)) * linear(self.up_proj, u))
+        gate, up = apply_linears((self.gate_proj, self.up_proj), self.fused_gate_up, u)
+        return linear(self.down_proj, F.silu(gate) * up)
 
 
 class GeluMLP(nn.Module):
@@ -97,24 +154,25 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(b, t, h * hd)
 
 
-def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_positions, head_dim/2] in fp32 for interleaved-pair RoPE."""
+def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
+    """Rotations exp(i * position * theta^(-2j/hd)) [max_positions, head_dim/2], complex64, for
+    interleaved-pair RoPE."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=device), inv_freq)
-    return torch.cos(angles), torch.sin(angles)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (2i, 2i+1) of x [B, H, T, hd] in fp32.
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (2i, 2i+1) of x [..., hd] in fp32: the pair as a complex
+    number times the rotation (x0 cos - x1 sin, x0 sin + x1 cos), one kernel.
 
-    cos/sin are [T, hd/2] (shared positions) or [B, T, hd/2] (per-row positions).
+    rot: complex rotations (`rope_tables`) broadcastable to x's pairs [..., hd/2].
     """
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
     xf = x.float()
-    x0, x1 = xf[..., 0::2], xf[..., 1::2]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    return out.type_as(x)
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    pairs = torch.view_as_complex(xf.unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rot).flatten(-2).type_as(x)
 
 
 def attention(q, k, v, mask=None, is_causal: bool = False) -> torch.Tensor:

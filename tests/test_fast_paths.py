@@ -1,0 +1,83 @@
+"""The engine's fast paths compute what the plain modules compute: fused projections, the CPU
+weight-streaming product for any input layout, and the decode step's uniform-position path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cubeserve.checkpoint import init_random_models, load_models, parameter_counts, save_checkpoint
+from cubeserve.config import V0_1, get_config
+from cubeserve.engine import GenerationRequest as Req
+from cubeserve.engine.batch import SlotPool
+from cubeserve.model.layers import FusedLinear, fuse_linears, product
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 300])
+@pytest.mark.parametrize("layout", ["contiguous", "column-major"])
+def test_product_equals_linear_for_any_rows_and_layout(rows, layout):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    x = torch.randn(rows, 32) if layout == "contiguous" else torch.randn(32, rows).T
+    for b in (bias, None):
+        assert torch.allclose(product(weight, b, x[:, None, :])[:, 0], F.linear(x, weight, b), atol=1e-5)
+
+
+def test_fused_linear_shares_memory_and_splits_outputs():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 6, bias=False), torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    expected = (a(x), b(x))
+    fused = FusedLinear(a, b)
+    assert a.bias is None and fused.bias[:6].eq(0).all()  # a missing bias is a zero block
+    assert a.weight.data_ptr() == fused.weight.data_ptr()
+    assert b.weight.data_ptr() == fused.weight[6:].data_ptr() and b.bias.data_ptr() == fused.bias[6:].data_ptr()
+    for got, want in zip(fused(x), expected):
+        assert torch.allclose(got, want, atol=1e-6)
+    with torch.no_grad():  # loading into a layer (a view) updates the fused product
+        b.weight.zero_()
+    assert torch.equal(fused(x)[1], b.bias.detach().expand(3, 4))
+
+
+def test_fusing_keeps_names_outputs_and_checkpoints(tmp_path):
+    cfg = get_config("tiny")
+    gpt, tok = init_random_models(cfg, seed=3)
+    names = {k: tuple(v.shape) for k, v in gpt.state_dict().items()}
+    torch.manual_seed(0)
+    shape = torch.randn(2, 5, cfg.gpt.n_embd)
+    cond = torch.randn(2, 7, cfg.gpt.n_embd)
+    before = gpt.forward_uncached(shape, cond, "causal")
+    fuse_linears(gpt)
+    assert {k: tuple(v.shape) for k, v in gpt.state_dict().items()} == names
+    assert torch.allclose(gpt.forward_uncached(shape, cond, "causal"), before, atol=1e-5)
+    # Fused parameters are views of one storage; the checkpoint writer still saves them.
+    _, saved_gpt, _ = load_models(save_checkpoint(cfg, gpt, tok, tmp_path / "ckpt"), device="cpu")
+    assert all(torch.equal(saved_gpt.state_dict()[k], v.float()) for k, v in gpt.state_dict().items())
+
+
+def test_decode_parameters_count_only_what_a_step_reads():
+    # The reference figure (every single-block tensor) and, in "reference" mode, without the
+    # single block's q/k/v projections and q/k norms, which a step past BOS never reads.
+    assert parameter_counts(V0_1)["decode_parameters"] == 931551744
+    d = V0_1.gpt.n_embd
+    unread = 3 * d * d + d + 2 * V0_1.gpt.head_dim
+    assert parameter_counts(V0_1, "reference")["decode_parameters"] == 931551744 - unread
+
+
+@pytest.mark.parametrize("mode", ["reference", "causal"])
+def test_uniform_steps_equal_masked_steps(make_engine, mode):
+    """Rows at one position take plain slice writes and no mask (and skip the single block's
+    value in reference mode); the masked per-row path must give the same logits."""
+    engine = make_engine("tiny", mode)
+    reqs = [Req("a red chair"), Req("a lamp", guidance_scale=1.5)]
+    pools = [SlotPool(engine, max_objects=2) for _ in range(2)]
+    for pool in pools:
+        pool.admit(reqs)
+    for _ in range(12):
+        k = 2
+        live = pools[0].generated[0] + 1
+        uniform = pools[0].compute(k, live, uniform=True, any_sampling=False)
+        masked = pools[1].compute(k, live, uniform=False, any_sampling=False)
+        assert torch.allclose(uniform, masked, atol=1e-5)
+        for pool in pools:
+            pool.generated = [g + 1 for g in pool.generated]
+    assert torch.equal(pools[0].tokens, pools[1].tokens)
