@@ -7,6 +7,7 @@ the `mid` config (width 512, 6 dual layers, 16384 codes, 512 tokens) in float32.
 
 from __future__ import annotations
 
+import gc
 import resource
 import statistics
 import tempfile
@@ -158,6 +159,10 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
 
     peak = (torch.cuda.max_memory_allocated(device) / 2**30 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    if cuda:  # hand the caches' memory back before the next config builds its pools
+        del engine, latents
+        gc.collect()
+        torch.cuda.empty_cache()
     main_mode = modes[0][0]
     ratio_lines = [f"uncached forward (its first {uncached_tokens} tokens) / eager cached at 1 object = "
                    f"{uncached / results[('eager cached', 1)]:.1f}x"]
