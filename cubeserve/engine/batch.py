@@ -106,7 +106,9 @@ class SlotPool:
 
     # -- one step for every busy slot ------------------------------------------------------------
 
-    @torch.no_grad()
+    # Inference mode rather than no_grad: tensors made here carry no version counters or view
+    # tracking, which a step of ~600 small ops feels (4.5 % of a `mid` CPU step at 1 object).
+    @torch.inference_mode()
     def compute(self, k: int, live: int, uniform: bool, any_sampling: bool = True) -> torch.Tensor:
         """The device work of one step for slots 0..k-1, with no host synchronisation:
         decode, guidance, sampling, token write, next embeddings, positions. Free slots in the

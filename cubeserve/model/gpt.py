@@ -34,7 +34,9 @@ def normed_query_key(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, n_head:
     where every op's fixed cost outweighs its arithmetic. Same formulas as `RMSNorm` and
     `apply_rope`, with the same cast to the product's dtype in between.
     """
-    x = qk.float().unflatten(-1, (2, n_head, -1))  # [B, T, 2, H, hd]
+    # Contiguous first: on the CPU qk is often a transposed view (`product`), and reductions
+    # over a strided last dim are several times slower.
+    x = qk.float().contiguous().unflatten(-1, (2, n_head, -1))  # [B, T, 2, H, hd]
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q_norm.eps)
     x = (x * torch.stack((q_norm.weight, k_norm.weight)).float()[:, None]).type_as(qk)
     if rot is not None:

@@ -57,12 +57,16 @@ def product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) ->
     a few rows, only where needed) and the result stays a transposed view. Same product,
     another summation order.
     """
-    x = x.to(weight.dtype)
-    rows = x.numel() // x.shape[-1]
-    if x.device.type == "cpu" and rows <= DECODE_ROWS:
-        x2 = x.reshape(rows, x.shape[-1]).contiguous()
-        y = torch.mm(weight, x2.T) if bias is None else torch.addmm(bias[:, None], weight, x2.T)
-        return y.T.reshape(*x.shape[:-1], weight.shape[0])
+    if x.dtype != weight.dtype:
+        x = x.to(weight.dtype)
+    *lead, k = x.shape
+    rows = x.numel() // k
+    if x.is_cpu and rows <= DECODE_ROWS:
+        x2 = x.reshape(rows, k)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch.mm(weight, x2.T) if bias is None else torch.addmm(bias.unsqueeze(1), weight, x2.T)
+        return y.T.view(*lead, weight.shape[0])
     return F.linear(x, weight, bias)
 
 
