@@ -194,6 +194,7 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         "|---|---|---|---|---|",
         *geo_rows,
         "",
-        f"Peak memory: {peak:.2f} GiB ({'CUDA allocated' if cuda else 'process RSS'}).",
+        f"Peak memory: {peak:.2f} GiB ({'CUDA allocated' if cuda else 'process RSS'}; the pools of every row "
+        f"above are alive at once).",
     ]
     return records, lines
