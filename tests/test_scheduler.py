@@ -68,3 +68,29 @@ def test_invalid_request_is_refused_at_submit(make_engine):
         with pytest.raises(InvalidRequest, match="temperature"):
             sched.submit(Req("x", temperature=0))
         assert sched.generate(Req("still serving", resolution=4), timeout=60).tokens
+
+
+def test_one_openmp_team_geometry_thread_single_threaded_others_untouched():
+    """The geometry thread runs its kernels on one thread (no second worker pool to slow the
+    decode thread's team); the setting is per thread, and kernels stay correct after the
+    calling thread hands its workers back."""
+    import torch
+
+    from cubeserve.engine import threads
+
+    if threads._openmp() is None:
+        pytest.skip("no OpenMP runtime in this PyTorch build")
+    before = torch.get_num_threads()
+    seen = []
+
+    def geometry_like():
+        threads.use_one_openmp_thread()
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=geometry_like)
+    t.start()
+    t.join()
+    assert seen == [1] and torch.get_num_threads() == before
+    assert threads.release_openmp_workers()
+    x = torch.arange(1 << 22, dtype=torch.float64)
+    assert torch.get_num_threads() == before and x.sum().item() == (1 << 22) * ((1 << 22) - 1) / 2

@@ -21,6 +21,7 @@ from typing import Callable
 from cubeserve.engine.batch import SlotPool
 from cubeserve.engine.engine import Engine, GenerationResult
 from cubeserve.engine.requests import GenerationRequest
+from cubeserve.engine.threads import release_openmp_workers, use_one_openmp_thread
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class Scheduler:
         self._geometry_thread = threading.Thread(target=self._geometry_loop, name="cubeserve-geometry", daemon=True)
 
     def start(self) -> "Scheduler":
+        # The decode thread should own the process's only OpenMP team (see engine/threads.py):
+        # the thread that built the engine and the pool hands its workers back.
+        release_openmp_workers()
         self._decode_thread.start()
         self._geometry_thread.start()
         return self
@@ -226,6 +230,7 @@ class Scheduler:
     # -- the geometry thread --------------------------------------------------------------------
 
     def _geometry_loop(self) -> None:
+        use_one_openmp_thread()  # a second team would slow every decode step
         n = self.engine.cfg.num_tokens
         while True:
             with self._geometry_cv:
