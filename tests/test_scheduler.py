@@ -84,7 +84,7 @@ def test_one_openmp_team_geometry_thread_single_threaded_others_untouched():
     seen = []
 
     def geometry_like():
-        threads.use_one_openmp_thread()
+        threads.set_thread_openmp_threads(1)
         seen.append(torch.get_num_threads())
 
     t = threading.Thread(target=geometry_like)

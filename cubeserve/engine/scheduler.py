@@ -18,10 +18,12 @@ from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from cubeserve.engine.batch import SlotPool
 from cubeserve.engine.engine import Engine, GenerationResult
 from cubeserve.engine.requests import GenerationRequest
-from cubeserve.engine.threads import release_openmp_workers, use_one_openmp_thread
+from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +232,8 @@ class Scheduler:
     # -- the geometry thread --------------------------------------------------------------------
 
     def _geometry_loop(self) -> None:
-        use_one_openmp_thread()  # a second team would slow every decode step
         n = self.engine.cfg.num_tokens
+        cpu_threads = torch.get_num_threads()
         while True:
             with self._geometry_cv:
                 while not self._geometry and not self._stopping:
@@ -243,9 +245,15 @@ class Scheduler:
                 ticket.future.set_exception(CancelledError())
                 continue
             try:
+                # While objects decode, a second OpenMP team would slow every step (see
+                # engine/threads.py): one thread then; all of them, released after, otherwise.
+                decoding = bool(self._slots or self._waiting)
+                set_thread_openmp_threads(1 if decoding else cpu_threads)
                 t0 = time.perf_counter()
                 mesh = self.engine.tokens_to_meshes(tokens[None], [ticket.request.resolution])[0]
                 t1 = time.perf_counter()
+                if not decoding:
+                    release_openmp_workers()
                 decode_s = ticket.decoded - ticket.admitted
                 result = GenerationResult(ticket.request, tokens.tolist(), mesh, {
                     "queue_s": ticket.admitted - ticket.submitted,

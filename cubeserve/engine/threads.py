@@ -8,7 +8,8 @@ scheduler's thread it ran ~1.5x slower than on the thread that built the engine 
 cores: 11.8 vs 7.5 ms at 1 object, 31 vs 23 ms at 8) only because that other thread kept its
 idle pool. So the scheduler's decode thread keeps the only team: the thread that built the
 engine hands its workers back when the scheduler starts, and the geometry thread runs its
-kernels on one thread.
+kernels on one thread while objects are decoding (on all of them, releasing the pool after,
+when nothing is).
 
 Both calls go to the OpenMP runtime PyTorch loaded (its symbols are in the process's global
 scope); where there is none, they do nothing.
@@ -47,11 +48,11 @@ def release_openmp_workers() -> bool:
     return released
 
 
-def use_one_openmp_thread() -> None:
-    """Run the calling thread's CPU kernels on itself alone, without a worker pool, leaving
-    every other thread's setting (and torch's process-wide default) as it is."""
+def set_thread_openmp_threads(n: int) -> None:
+    """Run the calling thread's CPU kernels on n threads (1: on itself, with no worker pool),
+    leaving every other thread's setting, and torch's process-wide default, as they are."""
     lib = _openmp()
     if lib is None:
         return
     torch.get_num_threads()  # torch sets a thread's OpenMP threads on first use: do that first
-    lib.omp_set_num_threads(1)
+    lib.omp_set_num_threads(max(1, int(n)))
