@@ -74,7 +74,8 @@ class Engine:
         keep_fp32 = tuple(m for m in (gpt.text_proj, gpt.shape_proj, getattr(gpt, "bbox_proj", None)) if m is not None)
         cast_linears(self.gpt, dtype, skip=keep_fp32)
         cast_linears(self.tokenizer, dtype)
-        # Parallel projections (q/k with v, gate with up) become one product each.
+        # Parallel projections (q/k with v, gate with up) become one product each. Like the
+        # cast, this changes the modules in place: the engine owns the models it is given.
         fuse_linears(self.gpt)
         self.text = text
         # The unconditional prefix: CLIP("") (+ a zero box), prefilled once and shared.
