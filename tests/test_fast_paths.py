@@ -81,3 +81,27 @@ def test_uniform_steps_equal_masked_steps(make_engine, mode):
         for pool in pools:
             pool.generated = [g + 1 for g in pool.generated]
     assert torch.equal(pools[0].tokens, pools[1].tokens)
+
+
+def test_bfloat16_engine_on_the_cpu_runs_the_gpu_dtype_path(tiny_weights, make_engine):
+    """bfloat16 weights and cache, fp32 norms, RoPE and guidance (what CUDA runs), checked where
+    no GPU is: the padded, masked step the CUDA graphs capture gives the eager step's tokens,
+    and the first step's logits stay near float32's."""
+    from cubeserve.engine import Engine
+    from cubeserve.engine.graphs import DecodeGraphs
+
+    engine = Engine.from_dir(tiny_weights, device="cpu", dtype="bfloat16")
+    assert engine.gpt.lm_head.weight.dtype == torch.bfloat16
+    assert engine.gpt.transformer.dual_blocks[0].attn.pre_x.fused_qkv.weight.dtype == torch.bfloat16
+    reqs = [Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0)]
+    eager = engine.generate_tokens(reqs)
+    pool = SlotPool(engine, max_objects=4)
+    pool.graphs = DecodeGraphs(pool, (1, 2, 4), length_buckets=4, capture=False)
+    pool.admit(reqs)
+    for _ in range(engine.cfg.num_tokens):
+        pool.step()
+    assert torch.equal(pool.tokens[: len(reqs)], eager)
+
+    first = engine.generate_tokens(reqs[:1], return_logits=True)[1][:, 0]
+    reference = make_engine("tiny").generate_tokens(reqs[:1], return_logits=True)[1][:, 0]
+    assert (first - reference).abs().max().item() < 0.05 * reference.abs().max().item()
