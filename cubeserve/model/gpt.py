@@ -233,7 +233,7 @@ class DualStreamGPT(nn.Module):
         cfg = self.cfg
         dt = compute_dtype or self.lm_head.weight.dtype
         x, c = shape_embeds.float(), cond.float()
-        b, s, L = x.shape[0], c.shape[1], x.shape[1]
+        s, L = c.shape[1], x.shape[1]
         dev = x.device
         rot_x = self.rope(torch.arange(L, device=dev))
         rot_c = self.rope(torch.zeros(s, dtype=torch.long, device=dev))

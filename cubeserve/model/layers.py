@@ -50,8 +50,8 @@ def product(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) ->
 
     On the CPU a decode step multiplies a few rows by each weight, and MKL's F.linear layout
     is the slow one there: W @ x^T streams the weight near memory bandwidth at 2 rows where
-    F.linear reaches 13-50 %, and stays ahead up to 256 rows (lm_head of `mid`: 0.9 vs 7.3 ms
-    at 2 rows, 14 vs 23 ms at 128; even at 1024 rows). It needs the rows contiguous: fed a
+    F.linear reaches 13-50 %, and stays ahead up to 256 rows (lm_head of `mid` on a 2-core AMD
+    EPYC: 0.9 vs 7.3 ms at 2 rows, 14 vs 23 ms at 128; even at 1024 rows). It needs the rows contiguous: fed a
     column-major input (such as the transposed view this returns), MKL takes a slow path (the
     MLP's down projection ran 3x slower). So rows are made contiguous on the way in (a copy of
     a few rows, only where needed) and the result stays a transposed view. Same product,

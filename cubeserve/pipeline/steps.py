@@ -17,8 +17,7 @@ import struct
 import time
 from pathlib import Path
 
-from cubeserve.checkpoint import (CLIP_DIR, GPT_FILE, PICKLE_SUFFIXES, TOKENIZER_FILE, CheckpointError,
-                                  load_models, read_safetensors_header, sha256_file, validate_dir)
+from cubeserve.checkpoint import (PICKLE_SUFFIXES, CheckpointError, load_models, read_safetensors_header, sha256_file, validate_dir)
 from cubeserve.config import to_yaml_dict
 from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
 
