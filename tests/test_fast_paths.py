@@ -9,7 +9,8 @@ from cubeserve.checkpoint import init_random_models, load_models, parameter_coun
 from cubeserve.config import V0_1, get_config
 from cubeserve.engine import GenerationRequest as Req
 from cubeserve.engine.batch import SlotPool
-from cubeserve.model.layers import FusedLinear, fuse_linears, product
+from cubeserve.model.gpt import decode_modules
+from cubeserve.model.layers import FusedLinear, SwiGLU, fuse_linears, pack_linears, pack_weight, product
 
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 300])
@@ -20,6 +21,49 @@ def test_product_equals_linear_for_any_rows_and_layout(rows, layout):
     x = torch.randn(rows, 32) if layout == "contiguous" else torch.randn(32, rows).T
     for b in (bias, None):
         assert torch.allclose(product(weight, b, x[:, None, :])[:, 0], F.linear(x, weight, b), atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 16, 300])
+def test_packed_product_equals_linear(rows):
+    """The oneDNN-packed path (4 rows and up) and the few-row path below it, any input layout,
+    with and without bias, for 2-D and 3-D inputs."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    packed = pack_weight(weight)
+    assert packed is not None  # the CPU build has oneDNN: the test must exercise it
+    for x in (torch.randn(rows, 32), torch.randn(32, rows).T):
+        for b in (bias, None):
+            want = F.linear(x, weight, b)
+            assert torch.allclose(product(weight, b, x, packed), want, atol=1e-5)
+            assert torch.allclose(product(weight, b, x[:, None, :], packed)[:, 0], want, atol=1e-5)
+
+
+def test_pack_linears_packs_each_fused_group_once():
+    torch.manual_seed(0)
+    mlp = SwiGLU(16, 32)
+    x = torch.randn(8, 16)
+    before = mlp(x)
+    mlp.fuse()
+    pack_linears(mlp)
+    assert mlp.fused_gate_up.packed_weight is not None and mlp.down_proj.packed_weight is not None
+    # The fused layers run as their group, so only the group holds a packed copy.
+    assert "packed_weight" not in vars(mlp.gate_proj) and "packed_weight" not in vars(mlp.up_proj)
+    assert torch.allclose(mlp(x), before, atol=1e-5)
+    # Where there is no packed path (here: another dtype) nothing is packed.
+    half = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    pack_linears(half)
+    assert half.packed_weight is None
+
+
+def test_engine_packs_the_decode_step_weights_only(make_engine):
+    engine = make_engine("tiny", "reference")
+    gpt = engine.gpt
+    decode = {id(m) for root in decode_modules(gpt) for m in root.modules()}
+    for m in gpt.modules():
+        if isinstance(m, torch.nn.Linear) and id(m) not in decode:
+            assert "packed_weight" not in vars(m)  # the condition stream runs once per prompt
+    assert gpt.lm_head.packed_weight is not None
+    assert all(blk.post_1.mlp.fused_gate_up.packed_weight is not None for blk in gpt.transformer.dual_blocks)
 
 
 def test_fused_linear_shares_memory_and_splits_outputs():

@@ -265,17 +265,21 @@ class DualStreamGPT(nn.Module):
         return self.logits(x)
 
 
+def decode_modules(gpt: DualStreamGPT) -> list[nn.Module]:
+    """The modules a decode step reads: the shape stream of every dual block, the single
+    blocks and lm_head (the condition stream runs once at prefill, wte is a row lookup)."""
+    modules = [m for blk in gpt.transformer.dual_blocks for m in (blk.attn.pre_x, blk.post_1)]
+    return modules + list(gpt.transformer.single_blocks) + [gpt.lm_head]
+
+
 def decode_parameter_count(gpt: DualStreamGPT, single_block_mode: SingleBlockMode = "causal") -> int:
-    """Parameters one decode step reads: the shape stream of every dual block, the single
-    blocks and lm_head (the condition stream runs once at prefill, wte is a row lookup).
+    """Parameters one decode step reads (`decode_modules`).
 
     In "reference" mode a single block's attention output is BOS's value, kept in the cache:
     past position 0 its q/k/v projections are not read, so they are not counted (the
     benchmark's bandwidth figures count only what a step reads).
     """
-    modules = [m for blk in gpt.transformer.dual_blocks for m in (blk.attn.pre_x, blk.post_1)]
-    modules += list(gpt.transformer.single_blocks) + [gpt.lm_head]
-    count = sum(p.numel() for m in modules for p in m.parameters())
+    count = sum(p.numel() for m in decode_modules(gpt) for p in m.parameters())
     if single_block_mode == "reference":
         count -= sum(p.numel() for blk in gpt.transformer.single_blocks
                      for m in (blk.attn.c_qk, blk.attn.c_v, blk.attn.q_norm, blk.attn.k_norm) for p in m.parameters())
