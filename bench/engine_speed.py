@@ -18,6 +18,7 @@ import torch
 from bench.common import Record, sync, timed
 
 CLIP_SEED = 0
+MARCHING_CUBES_NAMES = {"skimage": "scikit-image, on the CPU", "warp": "NVIDIA Warp, on the GPU"}
 
 
 def build_engine(config: str, device: torch.device, dtype: torch.dtype):
@@ -152,8 +153,10 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         dense = timed(lambda: geometry.occupancy_grid(engine.tokenizer, latents, r), device) if r <= dense_max_resolution else None
         grid = geometry.occupancy_grid_coarse_to_fine(engine.tokenizer, latents, r)
         mc = timed(lambda: geometry.marching_cubes(grid, r), device)
+        mc_backend = geometry.marching_cubes_backend(grid)
         records.append(Record("geometry", dev_name, config, f"resolution {r}", 1,
-                              extra={"coarse_to_fine_s": fine, "dense_s": dense, "marching_cubes_s": mc}))
+                              extra={"coarse_to_fine_s": fine, "dense_s": dense, "marching_cubes_s": mc,
+                                     "marching_cubes_backend": mc_backend}))
         geo_rows.append(f"| {r} | {geometry.grid_size(r)}^3 | {dense if dense is None else f'{dense:.3f}'} | "
                         f"{fine:.3f} | {mc:.3f} |")
 
@@ -188,7 +191,8 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         "Ratios in this run: "
         + "; ".join(ratio_lines) + ".",
         "",
-        "Geometry, one object (seconds): occupancy on the dense grid vs coarse-to-fine (same mesh), and marching cubes.",
+        "Geometry, one object (seconds): occupancy on the dense grid vs coarse-to-fine (same mesh), and marching "
+        f"cubes ({MARCHING_CUBES_NAMES[mc_backend]}).",
         "",
         "| resolution | grid | dense | coarse-to-fine | marching cubes |",
         "|---|---|---|---|---|",

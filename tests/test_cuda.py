@@ -47,3 +47,22 @@ def test_bfloat16_scheduler_with_graphs_serves_concurrent_requests(tiny_weights)
         assert sched.pool.graphs is not None
         results = [t.result(timeout=120) for t in [sched.submit(Req(f"thing {i}", resolution=5)) for i in range(8)]]
     assert all(not r.mesh.empty and len(r.tokens) == engine.cfg.num_tokens for r in results)
+
+
+def test_warp_marching_cubes_on_the_gpu_gives_the_cpu_mesh():
+    """A CUDA grid meshes with Warp on the device (where the `gpu` extra is installed)."""
+    import numpy as np
+
+    from cubeserve.engine import geometry
+
+    if geometry.marching_cubes_backend(torch.zeros(1, device="cuda")) != "warp":
+        pytest.skip("NVIDIA Warp is not installed (pip install 'cubeserve[gpu]')")
+    r = 6
+    n = geometry.grid_size(r)
+    p = geometry.grid_points(r, device="cuda")
+    grid = (0.6 - (p * torch.tensor([1.0, 1.3, 0.8], device="cuda")).norm(dim=-1)).view(n, n, n)
+    gpu = geometry.marching_cubes(grid, r)
+    cpu = geometry.marching_cubes(grid.cpu(), r)
+    assert len(gpu.faces) == len(cpu.faces) > 0
+    key = lambda v: v[np.lexsort(np.round(v, 5).T[::-1])]  # noqa: E731
+    np.testing.assert_allclose(key(gpu.vertices), key(cpu.vertices), rtol=0, atol=3e-5)

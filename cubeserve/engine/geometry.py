@@ -7,6 +7,8 @@ sample count, not the cell count), and triangles are wound (2, 1, 0).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,6 +17,7 @@ import torch
 BOUNDS = (-1.05, 1.05)
 DEFAULT_CHUNK = 100_000
 COARSE_RESOLUTION = 5  # coarse-to-fine starts from a 33^3 grid
+MARCHING_CUBES_BACKENDS = ("auto", "skimage", "warp")
 
 
 @dataclass
@@ -110,17 +113,75 @@ def occupancy_grid_coarse_to_fine(tokenizer, latents: torch.Tensor, resolution: 
     return grid
 
 
-def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int) -> Mesh:
-    """Surface at logit 0 of one grid [n, n, n], with the reference's vertex mapping and winding."""
-    from skimage import measure
+def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int, backend: str = "auto") -> Mesh:
+    """Surface at logit 0 of one grid [n, n, n], with the reference's vertex mapping and winding.
 
-    grid = logits.detach().float().cpu().numpy() if isinstance(logits, torch.Tensor) else np.asarray(logits, np.float32)
-    if not np.isfinite(grid).all():
+    backend: "skimage" (scikit-image's Lewiner, on the CPU), "warp" (NVIDIA Warp, on the
+    grid's device), or "auto": Warp for a CUDA grid where Warp is installed (the `gpu` extra),
+    scikit-image otherwise. Both put the vertices at the same edge crossings; on the CPU
+    scikit-image is the faster (0.19 vs 2.3 s at resolution 8 on a 2-core AMD EPYC).
+    """
+    grid = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits, np.float32))
+    grid = grid.detach().float()
+    backend = marching_cubes_backend(grid, backend)
+    if not bool(torch.isfinite(grid).all()):
         return Mesh(message="the occupancy field has non-finite values; no surface extracted")
-    if grid.min() > 0.0 or grid.max() < 0.0 or grid.min() == grid.max():
+    low, high = (float(v) for v in grid.aminmax())
+    if low > 0.0 or high < 0.0 or low == high:
         return Mesh(message="the occupancy field does not cross zero: the shape has no surface at this resolution")
-    vertices, faces, _, _ = measure.marching_cubes(grid, level=0.0, method="lewiner")
-    lo, hi = BOUNDS
-    vertices = vertices / grid_size(resolution) * (hi - lo) + lo
+    if backend == "warp":
+        vertices, faces = _warp_surface(grid, resolution)
+    else:
+        from skimage import measure
+
+        vertices, faces, _, _ = measure.marching_cubes(grid.cpu().numpy(), level=0.0, method="lewiner")
+        lo, hi = BOUNDS
+        vertices = vertices / grid_size(resolution) * (hi - lo) + lo
+    # Both libraries wind triangles the same way; the reference reverses them.
     faces = np.ascontiguousarray(faces[:, [2, 1, 0]])
     return Mesh(vertices=vertices.astype(np.float32), faces=faces.astype(np.int64))
+
+
+def marching_cubes_backend(grid: torch.Tensor, backend: str = "auto") -> str:
+    """The backend `marching_cubes` uses for `grid`: "auto" resolved to "warp" or "skimage"."""
+    if backend not in MARCHING_CUBES_BACKENDS:
+        raise ValueError(f"backend must be one of {MARCHING_CUBES_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "warp" if grid.is_cuda and _warp() is not None else "skimage"
+    return backend
+
+
+_warp_lock = threading.Lock()
+_warp_module: list = []  # [warp or None], set on first use
+
+
+def _warp():
+    """NVIDIA Warp, initialised once, or None where it is not installed."""
+    with _warp_lock:
+        if not _warp_module:
+            try:
+                import warp
+            except ImportError:
+                warp = None
+            if warp is not None:
+                warp.config.log_level = warp.LOG_WARNING  # no start-up banner
+                warp.init()
+            _warp_module.append(warp)
+    return _warp_module[0]
+
+
+def _warp_surface(grid: torch.Tensor, resolution: int) -> tuple[np.ndarray, np.ndarray]:
+    """Warp's marching cubes on the grid's device (zero-copy), on torch's current stream."""
+    wp = _warp()
+    if wp is None:
+        raise RuntimeError("marching cubes backend 'warp' needs NVIDIA Warp: pip install 'cubeserve[gpu]'")
+    from warp.geometry import IsoSurfaceMarchingCubes
+
+    n = grid_size(resolution)
+    lo, hi = BOUNDS
+    top = lo + (n - 1) / n * (hi - lo)  # the reference maps sample i to lo + i / n * (hi - lo)
+    field = wp.from_torch(grid.contiguous())
+    stream = wp.ScopedStream(wp.stream_from_torch(grid.device)) if grid.is_cuda else contextlib.nullcontext()
+    with stream:
+        verts, tris = IsoSurfaceMarchingCubes.extract(field, threshold=0.0, lower=(lo,) * 3, upper=(top,) * 3)
+    return verts.numpy(), tris.numpy().reshape(-1, 3)
