@@ -42,7 +42,8 @@ def main() -> None:
     else:
         window = 8 if args.quick else None  # None: the whole object
         engine_runs = [("engine-cpu", lambda: engine_speed.run("mid", device, torch.float32, flights=(1, 8, 32),
-                                                                window=window, resolutions=(5, 6, 7)))]
+                                                                window=window, resolutions=(5, 6, 7, 8),
+                                                                dense_max_resolution=7))]
     sections = dict(engine_runs)
     if device.type == "cpu":  # the Triton comparison runs the tiny model on the CPU
         sections["server"] = server_overhead.run

@@ -157,7 +157,7 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         records.append(Record("geometry", dev_name, config, f"resolution {r}", 1,
                               extra={"coarse_to_fine_s": fine, "dense_s": dense, "marching_cubes_s": mc,
                                      "marching_cubes_backend": mc_backend}))
-        geo_rows.append(f"| {r} | {geometry.grid_size(r)}^3 | {dense if dense is None else f'{dense:.3f}'} | "
+        geo_rows.append(f"| {r} | {geometry.grid_size(r)}^3 | {'-' if dense is None else f'{dense:.3f}'} | "
                         f"{fine:.3f} | {mc:.3f} |")
 
     peak = (torch.cuda.max_memory_allocated(device) / 2**30 if cuda
@@ -192,7 +192,8 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         + "; ".join(ratio_lines) + ".",
         "",
         "Geometry, one object (seconds): occupancy on the dense grid vs coarse-to-fine (same mesh), and marching "
-        f"cubes ({MARCHING_CUBES_NAMES[mc_backend]}).",
+        f"cubes ({MARCHING_CUBES_NAMES[mc_backend]})"
+        + (f"; the dense grid is timed up to resolution {dense_max_resolution}." if dense_max_resolution < max(resolutions) else "."),
         "",
         "| resolution | grid | dense | coarse-to-fine | marching cubes |",
         "|---|---|---|---|---|",
