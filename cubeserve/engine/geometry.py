@@ -8,11 +8,14 @@ sample count, not the cell count), and triangles are wound (2, 1, 0).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 BOUNDS = (-1.05, 1.05)
 DEFAULT_CHUNK = 100_000
@@ -161,11 +164,14 @@ def _warp():
         if not _warp_module:
             try:
                 import warp
-            except ImportError:
-                warp = None
-            if warp is not None:
+
                 warp.config.log_level = warp.LOG_WARNING  # no start-up banner
                 warp.init()
+            except ImportError:
+                warp = None
+            except Exception:  # installed but unusable (driver, toolkit): mesh with scikit-image
+                log.warning("NVIDIA Warp failed to initialise; marching cubes uses scikit-image", exc_info=True)
+                warp = None
             _warp_module.append(warp)
     return _warp_module[0]
 
