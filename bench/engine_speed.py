@@ -101,27 +101,33 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
             setup[(mode, k)] = (capture if graphs else 0.0, time.perf_counter() - t0)
     rounds = 4
     steps = max(1, window // rounds)
-    timed_rounds = {key: [] for key in pools}  # (seconds per step, read GB/s) per round
+    timed_rounds = {key: [] for key in pools}  # (seconds per step, read GB/s, cache bytes per step) per round
     for _ in range(rounds):
-        for key, pool in pools.items():
+        for (mode, k), pool in pools.items():
+            first = pool.generated[0] + 1  # live positions at the round's first step
+            cache_bytes = statistics.mean(pool.cache.read_bytes(2 * k, live) for live in range(first, first + steps))
             gbps = bandwidth()
-            timed_rounds[key].append((time_steps(pool, steps), gbps))
+            timed_rounds[(mode, k)].append((time_steps(pool, steps), gbps, cache_bytes))
     del pools, pool
 
     results = {}
     for (mode, k), measured in timed_rounds.items():
-        step = statistics.mean(t for t, _ in measured)  # rounds are equally long: the mean step
-        gbps = statistics.mean(g for _, g in measured)
-        share = statistics.mean(step_bytes / t / 1e9 / g for t, g in measured)
+        step = statistics.mean(t for t, _, _ in measured)  # rounds are equally long: the mean step
+        gbps = statistics.mean(g for _, g, _ in measured)
+        share = statistics.mean(step_bytes / t / 1e9 / g for t, g, _ in measured)
+        cache_bytes = statistics.mean(c for _, _, c in measured)
+        share_all = statistics.mean((step_bytes + c) / t / 1e9 / g for t, g, c in measured)
         capture, ttft = setup[(mode, k)]
         results[(mode, k)] = step
         records.append(Record("engine", dev_name, config, mode, k, ms_per_token=step * 1e3,
                               objects_per_second=k / (step * n), gb_per_second=step_bytes / step / 1e9,
                               extra={"time_to_first_token_s": ttft, "capture_s": capture,
                                      "read_bandwidth_gb_per_second": gbps, "bandwidth_share": share,
+                                     "cache_bytes_per_step": cache_bytes, "bandwidth_share_with_cache": share_all,
                                      "steps_timed": steps * rounds}))
         rows.append(f"| {mode} | {k} | {step * 1e3:.2f} | {k / (step * n):.2f} | {ttft * 1e3:.0f} | "
-                    f"{step_bytes / step / 1e9:.1f} | {gbps:.0f} | {100 * share:.0f} % |")
+                    f"{step_bytes / step / 1e9:.1f} | {cache_bytes / 1e6:.0f} | {gbps:.0f} | "
+                    f"{100 * share:.0f} % | {100 * share_all:.0f} % |")
 
     def ratio(num, den):
         return results[num] / results[den]
@@ -142,7 +148,7 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
     uncached = (time.perf_counter() - t0) / uncached_tokens
     records.append(Record("engine", dev_name, config, "uncached forward", 1, ms_per_token=uncached * 1e3,
                           extra={"tokens_timed": uncached_tokens}))
-    rows.append(f"| uncached forward (first {uncached_tokens} tokens) | 1 | {uncached * 1e3:.2f} | - | - | - | - | - |")
+    rows.append(f"| uncached forward (first {uncached_tokens} tokens) | 1 | {uncached * 1e3:.2f} | - | - | - | - | - | - | - |")
 
     # Geometry: dense grid vs coarse-to-fine, one object.
     tokens = engine.generate_tokens(req) if n <= 512 else torch.randint(0, cfg.tokenizer.num_codes, (1, n), device=device)
@@ -181,11 +187,13 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         f"timed in {rounds} rounds of {steps} steps; every round visits every row of the table in "
         f"turn, each visit right after a read-bandwidth measurement (the best of 3 sums over a large "
         f"buffer), and the share is the mean over rounds of weight GB/s over that visit's read GB/s. "
-        f"Attention's cache reads grow with the position and are not counted as weight bytes. "
-        f"objects/s counts decoding only.",
+        f"Attention's cache reads grow with the position: the cache column is the mean of the live "
+        f"part a step reads (keys and values up to its position), and the last column counts "
+        f"them with the weights. objects/s counts decoding only.",
         "",
-        "| mode | objects in flight | ms per token | objects/s | time to first token (ms) | weight GB/s | read GB/s (paired) | share of bandwidth |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | objects in flight | ms per token | objects/s | time to first token (ms) | weight GB/s | "
+        "cache MB a step | read GB/s (paired) | share of bandwidth (weights) | share (weights + cache) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "Ratios in this run: "

@@ -149,3 +149,19 @@ def test_bfloat16_engine_on_the_cpu_runs_the_gpu_dtype_path(tiny_weights, make_e
     first = engine.generate_tokens(reqs[:1], return_logits=True)[1][:, 0]
     reference = make_engine("tiny").generate_tokens(reqs[:1], return_logits=True)[1][:, 0]
     assert (first - reference).abs().max().item() < 0.05 * reference.abs().max().item()
+
+
+@pytest.mark.parametrize("mode", ["reference", "causal"])
+def test_cache_read_bytes_count_the_live_part(mode):
+    """The benchmark's cache bytes: a step at the last position reads the whole cache of its
+    rows; one at BOS reads the condition slots and one slot a layer."""
+    from cubeserve.engine.cache import KVCache
+
+    cfg = get_config("tiny")
+    g = cfg.gpt
+    cache = KVCache(cfg, rows=4, device="cpu", dtype=torch.float32, single_block_mode=mode)
+    assert cache.read_bytes(4, cfg.num_tokens) == cache.nbytes()
+    assert cache.read_bytes(2, cfg.num_tokens) == cache.nbytes() // 2
+    per_slot = 2 * g.n_head * g.head_dim * 4  # keys and values of one row, float32
+    single_slots = 1 if mode == "causal" else 1 / 2  # reference mode keeps the BOS value alone
+    assert cache.read_bytes(1, 1) == per_slot * (g.n_layer * (cfg.cond_len + 1) + g.n_single_layer * single_slots)

@@ -38,5 +38,17 @@ class KVCache:
             self.dual_k[layer][rows, :, :s] = k
             self.dual_v[layer][rows, :, :s] = v
 
+    def read_bytes(self, rows: int, live: int) -> int:
+        """Bytes that a decode step of `rows` rows, all at position live - 1, reads from the
+        cache: each dual layer's keys and values over S + live slots, each single layer's over
+        `live` slots (causal) or its BOS value (reference)."""
+        def size(t: torch.Tensor, slots: int) -> int:
+            return rows * t.shape[1] * slots * t.shape[3] * t.element_size()
+
+        dual = sum(size(t, self.cond_len + live) for t in self.dual_k + self.dual_v)
+        if self.single_block_mode == "causal":
+            return dual + sum(size(t, live) for t in self.single_k + self.single_v)
+        return dual + sum(size(t, 1) for t in self.single_v)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.dual_k + self.dual_v + self.single_k + self.single_v)
