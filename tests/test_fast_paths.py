@@ -13,29 +13,21 @@ from cubeserve.model.gpt import decode_modules
 from cubeserve.model.layers import FusedLinear, SwiGLU, fuse_linears, pack_linears, pack_weight, product
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 300])
-@pytest.mark.parametrize("layout", ["contiguous", "column-major"])
-def test_product_equals_linear_for_any_rows_and_layout(rows, layout):
-    torch.manual_seed(0)
-    weight, bias = torch.randn(48, 32), torch.randn(48)
-    x = torch.randn(rows, 32) if layout == "contiguous" else torch.randn(32, rows).T
-    for b in (bias, None):
-        assert torch.allclose(product(weight, b, x[:, None, :])[:, 0], F.linear(x, weight, b), atol=1e-5)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 4, 16, 300])
-def test_packed_product_equals_linear(rows):
-    """The oneDNN-packed path (4 rows and up) and the few-row path below it, any input layout,
-    with and without bias, for 2-D and 3-D inputs."""
+@pytest.mark.parametrize("packed", [False, True], ids=["mkl", "onednn-packed"])
+def test_product_equals_linear_for_any_rows_and_layout(rows, packed):
+    """Both CPU paths (the packed one from 4 rows, `W @ x^T` below it or without a packed
+    copy), any input layout, with and without bias, for 2-D and 3-D inputs."""
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 32), torch.randn(48)
-    packed = pack_weight(weight)
-    assert packed is not None  # the CPU build has oneDNN: the test must exercise it
+    copy = pack_weight(weight) if packed else None
+    if packed:
+        assert copy is not None  # the CPU build has oneDNN: the test must exercise it
     for x in (torch.randn(rows, 32), torch.randn(32, rows).T):
         for b in (bias, None):
             want = F.linear(x, weight, b)
-            assert torch.allclose(product(weight, b, x, packed), want, atol=1e-5)
-            assert torch.allclose(product(weight, b, x[:, None, :], packed)[:, 0], want, atol=1e-5)
+            assert torch.allclose(product(weight, b, x, copy), want, atol=1e-5)
+            assert torch.allclose(product(weight, b, x[:, None, :], copy)[:, 0], want, atol=1e-5)
 
 
 def test_pack_linears_packs_each_fused_group_once():
