@@ -4,8 +4,11 @@ REST (`POST /v2/models/cube3d/infer`) and gRPC (ModelInfer) through `tritonclien
 progress callback the request goes to the streaming entry point (`cube3d_stream`, a gRPC
 stream) and each intermediate response reports the tokens generated so far. A KServe
 InferenceService is reached through its ingress with the service's host name (`host`), the
-model name and optionally the version. Connection failures are retried with backoff; errors
-from the model (bad input, failed generation) are not.
+model name and optionally the version. The mesh comes back as raw bytes (MESH_ENCODING
+"binary" with tritonclient's binary outputs) unless `mesh_encoding="base64"`.
+Connection failures and refusals that say to retry (HTTP 503 / gRPC UNAVAILABLE: the server is
+busy, or restarting) are retried with backoff; errors from the model (bad input, failed
+generation) are not.
 
 One client per thread: tritonclient's HTTP client is not thread-safe.
 """
@@ -21,18 +24,23 @@ from typing import Callable
 
 import numpy as np
 
-from cubeserve.serving.protocol import INPUTS
+from cubeserve.serving.protocol import INPUTS, MESH_ENCODINGS, decode_mesh
 
 _DTYPES = {"bytes": "BYTES", "int": None, "float": "FP32", "bool": "BOOL"}
 _INT_DTYPES = {"SEED": ("INT64", np.int64), "RESOLUTION": ("INT32", np.int32)}
 
 
 class ServerError(RuntimeError):
-    """The server answered with an error (bad input: `status` 400 / INVALID_ARGUMENT)."""
+    """The server answered with an error (bad input: `status` 400 / INVALID_ARGUMENT; busy or
+    restarting: 503 / UNAVAILABLE, see `retryable`)."""
 
     def __init__(self, message: str, status: str | None = None):
         super().__init__(message)
         self.status = status
+
+    @property
+    def retryable(self) -> bool:
+        return self.status in ("503", "StatusCode.UNAVAILABLE")
 
 
 @dataclass
@@ -57,19 +65,24 @@ class MeshResult:
         return render_mesh_file(self.mesh, self.format, size)
 
 
-def _is_connection_error(exc: Exception) -> bool:
+def _is_retryable(exc: Exception) -> bool:
+    """A connection failure, or a refusal that says to retry (503 / UNAVAILABLE)."""
     if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
         return True
     status = str(getattr(exc, "status", lambda: None)() or "")
-    return "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status
+    return "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or status == "503"
 
 
 class Cube3DClient:
     def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = "cube3d",
                  stream_model: str = "cube3d_stream", model_version: str = "", host: str | None = None,
-                 timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False):
+                 timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False,
+                 mesh_encoding: str = "binary"):
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
+        if mesh_encoding not in MESH_ENCODINGS:
+            raise ValueError(f"mesh_encoding must be one of {list(MESH_ENCODINGS)}, got {mesh_encoding!r}")
+        self.mesh_encoding = mesh_encoding
         self.url, self.protocol, self.model, self.stream_model = url, protocol, model, stream_model
         self.model_version, self.host = model_version, host
         self.timeout, self.retries, self.backoff, self.ssl = timeout, retries, backoff, ssl
@@ -127,7 +140,7 @@ class Cube3DClient:
             try:
                 return call()
             except Exception as exc:  # noqa: BLE001 - classify below
-                if attempt < self.retries and _is_connection_error(exc):
+                if attempt < self.retries and _is_retryable(exc):
                     self._client = None  # reconnect
                     time.sleep(delay)
                     delay *= 2
@@ -157,7 +170,8 @@ class Cube3DClient:
                  bbox: tuple[float, float, float] | None = None, format: str = "glb",
                  on_progress: Callable[[int], None] | None = None) -> MeshResult:
         values = {"PROMPT": prompt, "SEED": seed, "GUIDANCE_SCALE": guidance_scale, "TOP_P": top_p,
-                  "TEMPERATURE": temperature, "RESOLUTION": resolution, "BBOX": bbox, "FORMAT": format}
+                  "TEMPERATURE": temperature, "RESOLUTION": resolution, "BBOX": bbox, "FORMAT": format,
+                  "MESH_ENCODING": self.mesh_encoding}
         start = time.perf_counter()
         if on_progress is not None:
             if self.protocol != "grpc":
@@ -165,7 +179,7 @@ class Cube3DClient:
             result = self._with_retries(lambda: self._stream(values, on_progress))
         else:
             result = self._with_retries(lambda: self._infer(values))
-        out = self._result(result, format)
+        out = self._result(result, format, self.mesh_encoding)
         out.client_seconds = time.perf_counter() - start
         return out
 
@@ -207,9 +221,9 @@ class Cube3DClient:
             client.stop_stream()
 
     @staticmethod
-    def _result(result, format: str) -> MeshResult:
+    def _result(result, format: str, mesh_encoding: str) -> MeshResult:
         return MeshResult(
-            mesh=bytes(result.as_numpy("MESH")[0]),
+            mesh=decode_mesh(bytes(result.as_numpy("MESH")[0]), mesh_encoding),
             format=format,
             tokens=result.as_numpy("SHAPE_TOKENS"),
             num_vertices=int(result.as_numpy("NUM_VERTICES")[0]),

@@ -4,7 +4,7 @@ Names are imported lazily so that torch-free users (the request/protocol code in
 and in the predict-API model) do not pay for importing torch.
 """
 
-__all__ = ["Engine", "GenerationResult", "GenerationRequest", "InvalidRequest"]
+__all__ = ["Engine", "GenerationResult", "GenerationRequest", "InvalidRequest", "Unavailable"]
 
 
 def __getattr__(name):
@@ -12,7 +12,7 @@ def __getattr__(name):
         from cubeserve.engine import engine
 
         return getattr(engine, name)
-    if name in ("GenerationRequest", "InvalidRequest"):
+    if name in ("GenerationRequest", "InvalidRequest", "Unavailable"):
         from cubeserve.engine import requests
 
         return getattr(requests, name)

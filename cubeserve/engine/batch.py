@@ -58,7 +58,8 @@ class SlotPool:
         # Host mirrors: tokens generated so far per slot (None = free) and who samples.
         self.generated: list[int | None] = [None] * max_objects
         self._samples: list[bool] = [False] * max_objects
-        self._bos = engine.gpt.embed_tokens(torch.tensor([cfg.gpt.bos_id], device=dev))[0]
+        with torch.no_grad():  # a BOS with grad would chain every admission into one autograd graph
+            self._bos = engine.gpt.embed_tokens(torch.tensor([cfg.gpt.bos_id], device=dev))[0]
         self.graphs = None
         if graphs:
             from cubeserve.engine.graphs import DecodeGraphs
@@ -75,6 +76,7 @@ class SlotPool:
     def busy_slots(self) -> list[int]:
         return [s for s, g in enumerate(self.generated) if g is not None]
 
+    @torch.no_grad()  # slot state must carry no autograd history: one chain per admission grows forever
     def admit(self, requests: list[GenerationRequest]) -> list[int]:
         """Prefill `requests` (already validated) into the lowest free slots; returns the slots."""
         free = self.free_slots

@@ -26,6 +26,18 @@ class InvalidRequest(ValueError):
         self.field = field
 
 
+class Unavailable(RuntimeError):
+    """The request cannot be served now (the server is busy, its deadline passed, the engine is
+    stopping or gone): nothing was wrong with it, and a retry here later or elsewhere may work.
+    The message starts with "unavailable:" so that it is recognised across Triton's BLS, which
+    carries no error codes."""
+
+    PREFIX = "unavailable:"
+
+    def __init__(self, message: str):
+        super().__init__(f"{self.PREFIX} {message}")
+
+
 @dataclass
 class GenerationRequest:
     prompt: str = ""

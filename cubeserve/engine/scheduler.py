@@ -2,8 +2,10 @@
 decode steps, leave when their tokens are done (or when cancelled), and are turned into
 meshes on a second thread so that decoding never waits for geometry.
 
-    submit() -> Ticket (a Future of GenerationResult, with progress and cancel)
-    loop:  admit waiting requests into free slots (one CLIP + prefill batch)
+    submit() -> Ticket (a Future of GenerationResult, with progress, cancel and a deadline);
+               refused at once with `Unavailable` when max_queue requests already wait
+    loop:  drop waiting requests whose client went away or whose deadline passed
+           admit waiting requests into free slots (one CLIP + prefill batch)
            one decode step for every busy slot
            finished slots -> geometry thread -> ticket resolved
 """
@@ -14,7 +16,7 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,10 +24,14 @@ import torch
 
 from cubeserve.engine.batch import SlotPool
 from cubeserve.engine.engine import Engine, GenerationResult
-from cubeserve.engine.requests import GenerationRequest
+from cubeserve.engine.requests import GenerationRequest, Unavailable
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
 
 log = logging.getLogger(__name__)
+
+# How often the decode thread looks through the waiting queue for requests to drop (asking
+# whether a client went away can be an IPC round trip, so not on every step).
+SWEEP_INTERVAL_S = 0.25
 
 
 class EngineStats:
@@ -40,6 +46,10 @@ class EngineStats:
         self.queue_seconds = 0.0
         self.in_flight = 0
         self.max_in_flight = 0
+        self.waiting = 0  # requests waiting for a slot
+        self.refused_busy = 0  # refused at submit: max_queue requests were waiting
+        self.expired = 0  # deadline passed before the result
+        self.cancelled = 0  # the client went away or cancelled
 
     def on_step(self, objects: int, seconds: float) -> None:
         with self.lock:
@@ -61,6 +71,15 @@ class EngineStats:
         with self.lock:
             self.objects_completed += 1
 
+    def on_waiting(self, waiting: int) -> None:
+        with self.lock:
+            self.waiting = waiting
+
+    def on_dropped(self, reason: str) -> None:
+        """reason: "refused_busy" | "expired" | "cancelled"."""
+        with self.lock:
+            setattr(self, reason, getattr(self, reason) + 1)
+
     def snapshot(self) -> dict:
         with self.lock:
             return {k: v for k, v in vars(self).items() if k != "lock"}
@@ -71,6 +90,7 @@ class Ticket:
     request: GenerationRequest
     on_progress: Callable[[int], None] | None = None
     client_gone: Callable[[], bool] | None = None  # polled between steps; True cancels
+    deadline: float | None = None  # time.perf_counter() after which the result is no use
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
@@ -87,16 +107,35 @@ class Ticket:
             self._cancel.set()
         return self._cancel.is_set()
 
+    def fail(self, exc: BaseException) -> None:
+        """End the ticket with `exc` unless it has ended already (stop() may race the loop)."""
+        try:
+            self.future.set_exception(exc)
+        except InvalidStateError:
+            pass
+
+    @property
+    def expired(self) -> bool:
+        return self.deadline is not None and time.perf_counter() > self.deadline
+
     def result(self, timeout: float | None = None) -> GenerationResult:
         return self.future.result(timeout)
 
 
 class Scheduler:
     def __init__(self, engine: Engine, max_objects: int = 8, stats: EngineStats | None = None,
-                 graphs: bool | None = None, graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)):
-        """`graphs`: capture the decode step as CUDA graphs at start-up (default: on CUDA)."""
+                 graphs: bool | None = None, graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                 max_queue: int | None = None):
+        """`graphs`: capture the decode step as CUDA graphs at start-up (default: on CUDA).
+        `max_queue`: requests that may wait beyond the `max_objects` being worked on (for a slot,
+        or for their mesh); more are refused at once with `Unavailable`. Default 8 x max_objects."""
         if max_objects < 1:
             raise ValueError(f"max_objects must be at least 1, got {max_objects}")
+        if max_queue is None:
+            max_queue = 8 * max_objects
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be at least 0, got {max_queue}")
+        self.max_queue = max_queue
         self.engine = engine
         if graphs is None:
             graphs = engine.device.type == "cuda"
@@ -104,6 +143,8 @@ class Scheduler:
         self.stats = stats or EngineStats()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._slots: dict[int, Ticket] = {}
+        self._outstanding = 0  # submitted and not yet resolved: waiting, decoding or in geometry
+        self._last_sweep = 0.0
         self._cv = threading.Condition()
         self._geometry: collections.deque = collections.deque()
         self._geometry_cv = threading.Condition()
@@ -127,9 +168,11 @@ class Scheduler:
             self._geometry_cv.notify_all()
         self._decode_thread.join(timeout)
         self._geometry_thread.join(timeout)
-        for ticket in list(self._waiting) + list(self._slots.values()):
-            if not ticket.future.done():
-                ticket.future.set_exception(RuntimeError("the engine stopped before this request finished"))
+        with self._geometry_cv:
+            unfinished = list(self._waiting) + list(self._slots.values()) + [t for t, _ in self._geometry]
+        for ticket in unfinished:
+            ticket.fail(Unavailable("the engine stopped (model unloaded or server shutting down) "
+                                    "before this request finished"))
 
     def __enter__(self) -> "Scheduler":
         return self.start()
@@ -138,35 +181,89 @@ class Scheduler:
         self.stop()
 
     def submit(self, request: GenerationRequest, on_progress: Callable[[int], None] | None = None,
-               client_gone: Callable[[], bool] | None = None) -> Ticket:
-        """Validate (raising InvalidRequest at once) and queue a request. `on_progress(tokens)`
-        is called on the decode thread after each step; `client_gone()` is polled there too."""
+               client_gone: Callable[[], bool] | None = None, timeout: float | None = None) -> Ticket:
+        """Validate (raising InvalidRequest at once) and queue a request; raises Unavailable at
+        once when the queue is full. `on_progress(tokens)` is called on the decode thread after
+        each step; `client_gone()` is polled there too. `timeout` (seconds from now): past it the
+        request is dropped, waiting or decoding, and fails with Unavailable."""
         self.engine.validate([request])
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
         ticket = Ticket(request, on_progress, client_gone)
+        if timeout is not None:
+            ticket.deadline = ticket.submitted + timeout
         with self._cv:
             if self._stopping:
-                raise RuntimeError("the engine is stopping")
+                raise Unavailable("the engine is stopping (model unloaded or server shutting down)")
+            if self._outstanding >= self.pool.max_objects + self.max_queue:
+                self.stats.on_dropped("refused_busy")
+                raise Unavailable(f"the server is busy: {self._outstanding} requests in progress or waiting "
+                                  f"(max_objects {self.pool.max_objects} + max_queue {self.max_queue}); retry later")
+            self._outstanding += 1
             self._waiting.append(ticket)
+            self.stats.on_waiting(len(self._waiting))
             self._cv.notify()
+        ticket.future.add_done_callback(self._resolved)
         return ticket
+
+    def _resolved(self, future: Future) -> None:
+        with self._cv:
+            self._outstanding -= 1
+
+    @property
+    def outstanding(self) -> int:
+        """Requests submitted and not yet resolved."""
+        with self._cv:
+            return self._outstanding
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> GenerationResult:
         return self.submit(request).result(timeout)
 
     # -- the decode thread ----------------------------------------------------------------------
 
+    def _drop(self, ticket: Ticket) -> bool:
+        """End a ticket whose client went away or whose deadline passed; True if it was."""
+        if ticket.cancelled:
+            self.stats.on_dropped("cancelled")
+            ticket.fail(CancelledError())
+            return True
+        if ticket.expired:
+            self.stats.on_dropped("expired")
+            waited = time.perf_counter() - ticket.submitted
+            ticket.fail(Unavailable(
+                f"deadline exceeded: the request's timeout of {ticket.deadline - ticket.submitted:.3g} s "
+                f"passed after {waited:.3g} s (queue and generation); retry later or allow more time"))
+            return True
+        return False
+
+    def _sweep_waiting(self) -> None:
+        """Drop waiting requests that nobody will take (client gone, deadline passed), so that
+        they neither hold a place in the queue nor take a slot."""
+        now = time.perf_counter()
+        if now - self._last_sweep < SWEEP_INTERVAL_S:
+            return
+        self._last_sweep = now
+        with self._cv:
+            waiting = list(self._waiting)
+        dropped = {id(t) for t in waiting if self._drop(t)}
+        if dropped:
+            with self._cv:
+                self._waiting = collections.deque(t for t in self._waiting if id(t) not in dropped)
+                self.stats.on_waiting(len(self._waiting))
+
     def _admit(self) -> None:
         with self._cv:
             while not self._stopping and not self._waiting and not self._slots:
                 self._cv.wait()
+        self._sweep_waiting()
+        with self._cv:
             free = len(self.pool.free_slots)
             batch = []
             while self._waiting and len(batch) < free:
                 ticket = self._waiting.popleft()
-                if ticket.cancelled:
-                    ticket.future.set_exception(CancelledError())
-                    continue
-                batch.append(ticket)
+                if not self._drop(ticket):
+                    batch.append(ticket)
+            self.stats.on_waiting(len(self._waiting))
         if not batch:
             return
         try:
@@ -185,10 +282,9 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         dropped = False
         for slot, ticket in list(self._slots.items()):
-            if ticket.cancelled:
+            if self._drop(ticket):
                 self.pool.release(slot)
                 del self._slots[slot]
-                ticket.future.set_exception(CancelledError())
                 dropped = True
         if dropped:
             self.stats.on_in_flight(len(self._slots))
@@ -241,8 +337,7 @@ class Scheduler:
                 if not self._geometry:
                     return
                 ticket, tokens = self._geometry.popleft()
-            if ticket.cancelled:
-                ticket.future.set_exception(CancelledError())
+            if self._drop(ticket):
                 continue
             try:
                 # While objects decode, a second OpenMP team would slow every step (see

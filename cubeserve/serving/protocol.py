@@ -3,19 +3,35 @@ and Triton so that the server, the client and the tests share it.
 
 Inputs (all but PROMPT optional, each with one element unless noted):
     PROMPT BYTES, SEED INT64, GUIDANCE_SCALE FP32, TOP_P FP32, TEMPERATURE FP32,
-    RESOLUTION INT32, BBOX FP32 [3], FORMAT BYTES ("glb" | "obj"), STREAM_PROGRESS BOOL
+    RESOLUTION INT32, BBOX FP32 [3], FORMAT BYTES ("glb" | "obj"),
+    MESH_ENCODING BYTES ("base64" | "binary"), STREAM_PROGRESS BOOL
 Outputs:
-    MESH BYTES, SHAPE_TOKENS INT32 [N], NUM_VERTICES INT64, NUM_FACES INT64,
+    MESH BYTES (the mesh file, base64 text unless MESH_ENCODING is "binary"),
+    SHAPE_TOKENS INT32 [N], NUM_VERTICES INT64, NUM_FACES INT64,
     TIMINGS BYTES (JSON, seconds per stage), PROGRESS INT32 (tokens generated so far)
+
+Why base64 by default: Triton writes a BYTES output into a JSON response as a string, byte for
+byte, so raw GLB bytes make the body invalid JSON for every client that does not use the binary
+tensor extension (curl, KServe's SDK and InferenceGraph router). Triton does not tell the model
+whether a request asked for binary outputs (`binary_data_output` is consumed by its HTTP
+frontend), so the request says it instead: MESH_ENCODING "binary" gives the raw file bytes, for
+gRPC and binary-extension clients (the project's client does this).
+
+Errors: input errors start with the input's name ("TOP_P: ..."); errors worth retrying (busy,
+deadline passed, engine stopping or gone) start with "unavailable:"; anything else is a failure
+of the server. The Triton models map them to 400 / 503 / 500 (gRPC INVALID_ARGUMENT /
+UNAVAILABLE / INTERNAL).
 """
 
 from __future__ import annotations
 
+import base64
 import json
+from dataclasses import dataclass
 
 import numpy as np
 
-from cubeserve.engine.requests import GenerationRequest, InvalidRequest
+from cubeserve.engine.requests import GenerationRequest, InvalidRequest, Unavailable
 
 # input name -> (GenerationRequest field, numpy kind, elements)
 INPUTS = {
@@ -27,10 +43,24 @@ INPUTS = {
     "RESOLUTION": ("resolution", "int", 1),
     "BBOX": ("bbox", "float", 3),
     "FORMAT": ("format", "bytes", 1),
+    # serving options, not part of the generation (see ServingOptions)
+    "MESH_ENCODING": (None, "bytes", 1),
     "STREAM_PROGRESS": (None, "bool", 1),
 }
 FIELD_TO_INPUT = {field: name for name, (field, _, _) in INPUTS.items() if field}
 OUTPUTS = ("MESH", "SHAPE_TOKENS", "NUM_VERTICES", "NUM_FACES", "TIMINGS", "PROGRESS")
+MESH_ENCODINGS = ("base64", "binary")
+# A request parameter: a request that carries it cancels the engine's request of that id (how the
+# predict model cancels a forward whose client went away; BLS requests cannot be cancelled).
+CANCEL_PARAMETER = "cube3d_cancel_request_id"
+
+
+@dataclass
+class ServingOptions:
+    """How a response is delivered (the inputs that are not generation fields)."""
+
+    mesh_encoding: str = "base64"
+    stream_progress: bool = False
 
 
 def _scalar(name: str, array: np.ndarray, kind: str, elements: int):
@@ -57,23 +87,26 @@ def _scalar(name: str, array: np.ndarray, kind: str, elements: int):
     return bool(flat[0])
 
 
-def parse_request(inputs: dict[str, np.ndarray | None]) -> tuple[GenerationRequest, bool]:
-    """Input tensors by name (None for absent optional inputs) -> (validated request without
-    the model-specific checks, stream_progress). Errors name the input."""
+def parse_request(inputs: dict[str, np.ndarray | None]) -> tuple[GenerationRequest, ServingOptions]:
+    """Input tensors by name (None for absent optional inputs) -> (request, not yet validated
+    against the model, and its serving options). Errors name the input."""
     if inputs.get("PROMPT") is None:
         raise InvalidRequest("PROMPT", "is required (a BYTES tensor with one UTF-8 string)")
-    values, stream = {}, False
+    values, options = {}, ServingOptions()
     for name, (field, kind, elements) in INPUTS.items():
         array = inputs.get(name)
         if array is None:
             continue
         value = _scalar(name, array, kind, elements)
-        if field is None:
-            stream = bool(value)
-        else:
+        if field is not None:
             values[field] = value
-    request = GenerationRequest(**values)
-    return request, stream
+        elif name == "STREAM_PROGRESS":
+            options.stream_progress = bool(value)
+        else:
+            if value not in MESH_ENCODINGS:
+                raise InvalidRequest(name, f"must be one of {list(MESH_ENCODINGS)}, got {value!r}")
+            options.mesh_encoding = value
+    return GenerationRequest(**values), options
 
 
 def validate(request: GenerationRequest, uses_bbox: bool) -> None:
@@ -85,20 +118,33 @@ def validate(request: GenerationRequest, uses_bbox: bool) -> None:
         raise InvalidRequest(name, str(exc).split(": ", 1)[1]) from None
 
 
-def is_input_error(message: str) -> bool:
-    """Errors about input name themselves first ("TOP_P: must be ..."): a caller's mistake.
-    (Triton's BLS does not carry error codes across, so the relay recognises them by name.)"""
-    return message.split(":", 1)[0] in INPUTS
+def error_kind(message: str) -> str:
+    """"invalid" (a caller's mistake: the message starts with an input's name), "unavailable"
+    (retry later or elsewhere) or "internal". Triton's BLS does not carry error codes across,
+    so the predict model recognises an engine's errors by their first word."""
+    if message.split(":", 1)[0] in INPUTS:
+        return "invalid"
+    if message.startswith(Unavailable.PREFIX):
+        return "unavailable"
+    return "internal"
 
 
-def result_outputs(result) -> dict[str, np.ndarray]:
+def encode_mesh(data: bytes, encoding: str) -> bytes:
+    return base64.b64encode(data) if encoding == "base64" else data
+
+
+def decode_mesh(data: bytes, encoding: str) -> bytes:
+    return base64.b64decode(data, validate=True) if encoding == "base64" else data
+
+
+def result_outputs(result, mesh_encoding: str = "base64") -> dict[str, np.ndarray]:
     """A GenerationResult as output tensors."""
     mesh = result.mesh
     timings = dict(result.timings)
     if mesh.empty:
         timings["message"] = mesh.message
     return {
-        "MESH": np.array([result.mesh_bytes()], dtype=np.object_),
+        "MESH": np.array([encode_mesh(result.mesh_bytes(), mesh_encoding)], dtype=np.object_),
         "SHAPE_TOKENS": np.asarray(result.tokens, dtype=np.int32),
         "NUM_VERTICES": np.array([len(mesh.vertices)], dtype=np.int64),
         "NUM_FACES": np.array([len(mesh.faces)], dtype=np.int64),

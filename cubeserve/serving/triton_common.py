@@ -20,7 +20,21 @@ def response(outputs: dict[str, np.ndarray]):
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 
 
-def error_response(message: str, invalid: bool = False):
-    """INVALID_ARG becomes HTTP 400 / gRPC INVALID_ARGUMENT; anything else is INTERNAL."""
-    code = pb_utils.TritonError.INVALID_ARG if invalid else pb_utils.TritonError.INTERNAL
+# protocol.error_kind -> Triton's code: HTTP 400 / 503 / 500, gRPC INVALID_ARGUMENT / UNAVAILABLE /
+# INTERNAL (the server's HttpCodeFromError and its gRPC status mapping). Names, because the stub
+# adds TritonError to the module only after model.py is imported.
+_CODES = {"invalid": "INVALID_ARG", "unavailable": "UNAVAILABLE", "internal": "INTERNAL"}
+
+
+def error_response(message: str, kind: str = "internal"):
+    """kind: "invalid" | "unavailable" | "internal" (see protocol.error_kind)."""
+    code = getattr(pb_utils.TritonError, _CODES[kind])
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+
+
+def request_timeout_s(request) -> float | None:
+    """The request's own deadline: the v2 `timeout` parameter (microseconds; HTTP
+    `"parameters": {"timeout": ...}`, gRPC `parameters["timeout"]`, tritonclient's `timeout=`),
+    which Triton hands to the model as request.timeout(); None when not set."""
+    micros = request.timeout()
+    return micros / 1e6 if micros else None

@@ -4,12 +4,19 @@ Each Triton model instance runs in its own process; this one loads the weights o
 on its device and runs the engine's batching thread (`Scheduler`). `execute` only parses and
 hands requests over, then returns: responses go out through each request's response sender
 when ready, progress (with STREAM_PROGRESS) from the decode thread between steps, the mesh from
-the geometry thread. A client that goes away (`request.is_cancelled()`) leaves the batch.
-The predict-API model `cube3d` (triton_predict.py) forwards here, so one engine serves both.
+the geometry thread. A client that goes away (`request.is_cancelled()`) leaves the batch, and so does a request whose
+deadline (the v2 `timeout` parameter) passes; past `max_queue` waiting requests, new ones are
+refused at once as UNAVAILABLE (HTTP 503).
+The predict-API model `cube3d` (triton_predict.py) forwards here, so one engine serves both;
+since a BLS request cannot be cancelled from its caller, the predict model cancels a forwarded
+request whose client went away with a control request carrying the request parameter
+CANCEL_PARAMETER (the forwarded request's id).
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -18,10 +25,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cubeserve.engine.engine import Engine
-from cubeserve.engine.requests import InvalidRequest
+from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.engine.scheduler import EngineStats, Scheduler
 from cubeserve.serving import protocol
-from cubeserve.serving.triton_common import FINAL, error_response, parameters, response
+from cubeserve.serving.protocol import CANCEL_PARAMETER
+from cubeserve.serving.triton_common import FINAL, error_response, parameters, request_timeout_s, response
 
 CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
 
@@ -51,9 +59,16 @@ class TritonStats(EngineStats):
                 ("cube3d_queue_seconds_total", "Time requests waited before joining the batch", counter),
                 ("cube3d_objects_in_flight", "Objects in the running batch", gauge),
                 ("cube3d_time_per_output_token_seconds", "Duration of the latest decode step", gauge),
+                ("cube3d_requests_waiting", "Requests waiting for a slot", gauge),
+                ("cube3d_requests_dropped_total", "Requests refused (busy), expired (deadline) or cancelled "
+                                                  "(client gone), by reason", counter),
             )
         }
-        self.metric = {name: family.Metric(labels=labels) for name, family in self.families.items()}
+        self.metric = {name: family.Metric(labels=labels) for name, family in self.families.items()
+                       if name != "cube3d_requests_dropped_total"}
+        dropped = self.families["cube3d_requests_dropped_total"]
+        self.dropped = {reason: dropped.Metric(labels={**labels, "reason": reason})
+                        for reason in ("refused_busy", "expired", "cancelled")}
 
     def on_step(self, objects, seconds):
         super().on_step(objects, seconds)
@@ -76,6 +91,14 @@ class TritonStats(EngineStats):
         super().on_complete()
         self.metric["cube3d_objects_completed_total"].increment(1)
 
+    def on_dropped(self, reason):
+        super().on_dropped(reason)
+        self.dropped[reason].increment(1)
+
+    def on_waiting(self, waiting):
+        super().on_waiting(waiting)
+        self.metric["cube3d_requests_waiting"].set(waiting)
+
 
 class EngineModel:
     """`cube3d_stream`: decoupled; owns the engine of this version on this instance's device.
@@ -84,7 +107,9 @@ class EngineModel:
     directory; default "weights"), config (preset or YAML; default: the YAML beside the
     weights), device (for KIND_CPU: cpu; KIND_GPU instances use their own GPU), dtype
     (default bfloat16 on GPU, float32 on CPU), max_objects (objects in flight, default 8),
-    single_block (reference | causal), cuda_graphs (auto | true | false; auto = on CUDA).
+    max_queue (requests that may wait beyond those in flight; more are refused as busy;
+    default 8 x max_objects), single_block (reference | causal), cuda_graphs (auto | true |
+    false; auto = on CUDA).
     """
 
     def initialize(self, args):
@@ -103,11 +128,15 @@ class EngineModel:
         self.uses_bbox = engine.cfg.gpt.use_bbox
         labels = {"model": args["model_name"], "version": args["model_version"]}
         graphs = {"": None, "auto": None, "true": True, "false": False}[params.get("cuda_graphs", "").lower()]
+        max_queue = params.get("max_queue")
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
-                                   stats=TritonStats(labels), graphs=graphs).start()
+                                   stats=TritonStats(labels), graphs=graphs,
+                                   max_queue=int(max_queue) if max_queue else None).start()
+        self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
+        self.forwarded_lock = threading.Lock()
         pb_utils.Logger.log_info(
             f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} ({dtype}), "
-            f"{self.scheduler.pool.max_objects} objects in flight")
+            f"{self.scheduler.pool.max_objects} objects in flight, max_queue {self.scheduler.max_queue}")
 
     def execute(self, requests):
         for request in requests:
@@ -116,11 +145,19 @@ class EngineModel:
 
     def _submit(self, request):
         sender = request.get_response_sender()
+        cancel_id = json.loads(request.parameters() or "{}").get(CANCEL_PARAMETER)
+        if cancel_id is not None:  # a control request: cancel a forwarded request, answer nothing
+            with self.forwarded_lock:
+                ticket = self.forwarded.get(cancel_id)
+            if ticket is not None:
+                ticket.cancel()
+            sender.send(flags=FINAL)
+            return
         try:
-            generation, stream = protocol.parse_request(_inputs(request))
+            generation, options = protocol.parse_request(_inputs(request))
             protocol.validate(generation, self.uses_bbox)
         except InvalidRequest as exc:
-            sender.send(error_response(str(exc), invalid=True), flags=FINAL)
+            sender.send(error_response(str(exc), "invalid"), flags=FINAL)
             return
 
         def on_progress(tokens: int) -> None:  # on the decode thread, between steps
@@ -135,20 +172,34 @@ class EngineModel:
             last_poll[0] = now
             return request.is_cancelled()
 
+        request_id = request.request_id()
+
         def done(future) -> None:  # on the geometry thread (or wherever the ticket ended)
+            if request_id:
+                with self.forwarded_lock:
+                    self.forwarded.pop(request_id, None)
             try:
-                sender.send(response(protocol.result_outputs(future.result())), flags=FINAL)
+                outputs = protocol.result_outputs(future.result(), options.mesh_encoding)
+                sender.send(response(outputs), flags=FINAL)
             except CancelledError:
                 sender.send(flags=FINAL)
+            except Unavailable as exc:
+                sender.send(error_response(str(exc), "unavailable"), flags=FINAL)
             except Exception as exc:  # noqa: BLE001 - report it; never take the stub down
                 sender.send(error_response(f"generation failed: {exc}"), flags=FINAL)
 
         try:
-            ticket = self.scheduler.submit(generation, on_progress=on_progress if stream else None,
-                                           client_gone=client_gone)
-        except Exception as exc:  # noqa: BLE001 - e.g. the model is being unloaded
+            ticket = self.scheduler.submit(generation, on_progress=on_progress if options.stream_progress else None,
+                                           client_gone=client_gone, timeout=request_timeout_s(request))
+        except Unavailable as exc:  # busy, or the model is being unloaded
+            sender.send(error_response(str(exc), "unavailable"), flags=FINAL)
+            return
+        except Exception as exc:  # noqa: BLE001
             sender.send(error_response(str(exc)), flags=FINAL)
             return
+        if request_id:
+            with self.forwarded_lock:
+                self.forwarded[request_id] = ticket
         ticket.future.add_done_callback(done)
 
     def finalize(self):

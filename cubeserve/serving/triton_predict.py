@@ -5,40 +5,100 @@ no weights: each request is forwarded over BLS to the same version of `cube3d_st
 owns the engine, and the final response is relayed. `execute` hands each request to a thread
 and returns, answering through the response sender, so concurrent requests reach the engine
 together and run batched. Importing no torch keeps this process small.
+
+What BLS in Triton 2.51 does not do, a watchdog thread does:
+- a forwarded request cannot be cancelled by its caller: when a client goes away, the
+  watchdog sends the engine a control request that cancels the forward by its id;
+- a forward to a dead engine process waits forever: the watchdog checks that the engine's stub
+  process is alive and ends every waiting forward with UNAVAILABLE when it is not (the
+  supervisor, serving/supervisor.py, then restarts the server).
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cubeserve.engine.requests import InvalidRequest
+from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.serving import protocol
+from cubeserve.serving.stubs import stub_alive
+from cubeserve.serving.protocol import CANCEL_PARAMETER
 from cubeserve.serving.triton_common import FINAL, error_response, parameters
+
+WATCH_INTERVAL_S = 0.25  # how often the watchdog looks at the waiting forwards
+
+
+class Forward:
+    """One request on its way through the engine; answered exactly once."""
+
+    def __init__(self, request):
+        self.request = request
+        self.sender = request.get_response_sender()
+        self.id = f"cube3d-{uuid.uuid4().hex}"
+        self.cancel_sent = False
+        self._lock = threading.Lock()
+        self._answered = False
+
+    def answer(self, response=None) -> None:
+        with self._lock:
+            if self._answered:
+                return
+            self._answered = True
+        self.sender.send(response, flags=FINAL)
 
 
 class PredictModel:
     """`cube3d`: the predict API; forwards each request to `cube3d_stream` of the same version.
 
     Parameters: engine_model (default "cube3d_stream"), max_concurrency (requests forwarded at
-    once, default 64).
+    once, default 128; more are refused as busy at once: keep it at least the engine's
+    max_objects + max_queue, so that the engine's queue is the one that refuses).
     """
 
     def initialize(self, args):
         params = parameters(args)
         self.engine_model = params.get("engine_model") or "cube3d_stream"
         self.version = int(args["model_version"])
-        self.pool = ThreadPoolExecutor(max_workers=int(params.get("max_concurrency") or 64),
-                                       thread_name_prefix="cube3d-forward")
+        self.max_concurrency = int(params.get("max_concurrency") or 128)
+        self.capacity = threading.BoundedSemaphore(self.max_concurrency)
+        self.pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="cube3d-forward")
+        self.pending: dict[str, Forward] = {}
+        self.pending_lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.server_pid = os.getppid()  # the stub is a child of tritonserver
+        self.watchdog = threading.Thread(target=self._watch, name="cube3d-watchdog", daemon=True)
+        self.watchdog.start()
 
     def execute(self, requests):
         for request in requests:
-            self.pool.submit(self._forward, request)
+            forward = Forward(request)
+            if not self.capacity.acquire(blocking=False):
+                forward.answer(error_response(str(Unavailable(
+                    f"the server is busy: {self.max_concurrency} requests in progress (max_concurrency of "
+                    f"model cube3d); retry later")), "unavailable"))
+                continue
+            self.pool.submit(self._forward, forward)
         return None
 
-    def _forward(self, request):
-        sender = request.get_response_sender()
+    def _forward(self, forward: Forward) -> None:
+        with self.pending_lock:
+            self.pending[forward.id] = forward
+        try:
+            forward.answer(self._relay(forward))
+        except Exception as exc:  # noqa: BLE001 - answer, never take the stub down
+            forward.answer(error_response(f"forwarding to {self.engine_model} failed: {exc}"))
+        finally:
+            with self.pending_lock:
+                self.pending.pop(forward.id, None)
+            self.capacity.release()
+
+    def _relay(self, forward: Forward):
+        request = forward.request
         tensors = {name: pb_utils.get_input_tensor_by_name(request, name) for name in protocol.INPUTS
                    if name != "STREAM_PROGRESS"}
         try:  # refuse bad input here, as a 400, before it costs a round trip
@@ -46,29 +106,65 @@ class PredictModel:
                                                     for k, t in tensors.items()})
             protocol.validate(generation, uses_bbox=True)  # the engine checks the model's own limits
         except InvalidRequest as exc:
-            sender.send(error_response(str(exc), invalid=True), flags=FINAL)
-            return
+            return error_response(str(exc), "invalid")
+        bls = pb_utils.InferenceRequest(
+            request_id=forward.id, model_name=self.engine_model, model_version=self.version,
+            inputs=[t for t in tensors.values() if t is not None],
+            requested_output_names=[n for n in protocol.OUTPUTS if n != "PROGRESS"],
+            timeout=request.timeout(),  # the client's deadline, enforced by the engine
+        )
+        final = None
+        for response in bls.exec(decoupled=True):
+            if response.has_error():
+                message = response.error().message()
+                if not self._engine_alive():
+                    return self._engine_gone_error()
+                return error_response(message, protocol.error_kind(message))
+            if response.output_tensors():
+                final = response
+        if final is None:
+            return error_response("cancelled: the client went away before the mesh was ready", "unavailable")
+        return pb_utils.InferenceResponse(output_tensors=final.output_tensors())
+
+    # -- the watchdog ---------------------------------------------------------------------------
+
+    def _engine_alive(self) -> bool:
+        return stub_alive(self.server_pid, self.engine_model, self.version)
+
+    def _engine_gone_error(self):
+        return error_response(str(Unavailable(
+            f"the engine process of {self.engine_model} version {self.version} is gone (killed or crashed) "
+            f"and this request with it; the server restarts it: retry")), "unavailable")
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(WATCH_INTERVAL_S):
+            with self.pending_lock:
+                forwards = list(self.pending.values())
+            if not forwards:
+                continue
+            if not self._engine_alive():
+                for forward in forwards:
+                    forward.answer(self._engine_gone_error())
+                continue
+            for forward in forwards:
+                if not forward.cancel_sent and forward.request.is_cancelled():
+                    forward.cancel_sent = True
+                    self._cancel(forward)
+
+    def _cancel(self, forward: Forward) -> None:
+        """Ask the engine to drop a forward whose client went away (a control request)."""
+        prompt = pb_utils.Tensor("PROMPT", np.array([b""], dtype=np.object_))
+        control = pb_utils.InferenceRequest(
+            model_name=self.engine_model, model_version=self.version, inputs=[prompt],
+            requested_output_names=[], parameters={CANCEL_PARAMETER: forward.id})
         try:
-            inputs = list(tensors.values())
-            bls = pb_utils.InferenceRequest(
-                model_name=self.engine_model, model_version=self.version,
-                inputs=[t for t in inputs if t is not None],
-                requested_output_names=[n for n in protocol.OUTPUTS if n != "PROGRESS"],
-            )
-            final = None
-            for response in bls.exec(decoupled=True):
-                if response.has_error():
-                    message = response.error().message()
-                    sender.send(error_response(message, invalid=protocol.is_input_error(message)), flags=FINAL)
-                    return
-                if response.output_tensors():
-                    final = response
-            if final is None:
-                sender.send(error_response("the engine returned no result (cancelled or stopped)"), flags=FINAL)
-                return
-            sender.send(pb_utils.InferenceResponse(output_tensors=final.output_tensors()), flags=FINAL)
-        except Exception as exc:  # noqa: BLE001
-            sender.send(error_response(f"forwarding to {self.engine_model} failed: {exc}"), flags=FINAL)
+            for _ in control.exec(decoupled=True):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the forward ends anyway when the engine finishes it
+            pb_utils.Logger.log_warn(f"cancelling {forward.id} failed: {exc}")
 
     def finalize(self):
-        self.pool.shutdown(wait=True, cancel_futures=False)
+        self.stopping.set()
+        # Not waiting: a forward to a dead engine never returns (the supervisor restarts the server).
+        self.pool.shutdown(wait=False, cancel_futures=False)
+        self.watchdog.join(2 * WATCH_INTERVAL_S)
