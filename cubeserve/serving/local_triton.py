@@ -54,17 +54,21 @@ def free_port() -> int:
 
 
 class LocalTriton:
-    """A tritonserver process bound to 127.0.0.1, stopped by its PID."""
+    """A tritonserver process bound to 127.0.0.1, stopped by its PID.
+
+    `supervised`: run it under cubeserve.serving.supervisor, which starts it again when a python
+    backend stub dies (`process` is then the supervisor; tritonserver is its child)."""
 
     def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = deploy.HTTP_PORT,
                  grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
                  log_path: str | Path | None = None,
-                 extra_args: tuple[str, ...] = (), verbose: bool = False):
+                 extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False):
         self.model_repository = Path(model_repository)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.verbose = verbose
+        self.supervised = supervised
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -81,6 +85,12 @@ class LocalTriton:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
+        if self.supervised:
+            return [sys.executable, "-m", "cubeserve.serving.supervisor", "--on-fault", "restart", "--",
+                    *self.server_command()]
+        return self.server_command()
+
+    def server_command(self) -> list[str]:
         home = tritonserver_home()
         return [
             str(home / "bin" / "tritonserver"),

@@ -1,0 +1,149 @@
+"""Run tritonserver as a child and act when one of its python backend stubs dies.
+
+Triton 2.51 does not restart a python_backend stub that died (an out-of-memory kill, a crash in a
+kernel): the model stays "ready", `/v2/health/ready` and `/v2/health/live` answer 200, and every
+request to it fails or hangs for as long as the server runs (python_backend r24.10,
+`TRITONBACKEND_ModelInstanceExecute`: "TODO: Implement restart on decoupled"; no stub check in
+readiness). So the server runs under this supervisor, which watches the stubs (serving/stubs.py)
+and, when a model version that Triton still reports READY has no live stub:
+
+1. sends tritonserver SIGTERM: from then on its readiness endpoint answers 503, so KServe stops
+   routing to the pod, and requests on healthy models may finish (`--fault-grace` seconds, then
+   SIGKILL; requests on the dead stub never finish by themselves: the predict model has already
+   answered them with UNAVAILABLE);
+2. `--on-fault restart` (local default): starts tritonserver again, which loads the model anew;
+   `--on-fault exit` (the container's): exits with FAULT_EXIT_CODE, and the kubelet restarts the
+   container, whose startup probe covers the new load.
+
+SIGTERM or SIGINT to the supervisor is passed to tritonserver (graceful shutdown: Triton drains
+in-flight requests up to its --exit-timeout-secs); the supervisor exits with tritonserver's code.
+
+    python -m cubeserve.serving.supervisor [--on-fault exit|restart] -- tritonserver ARGS...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from cubeserve.serving.stubs import python_stubs
+
+log = logging.getLogger("cubeserve.supervisor")
+
+FAULT_EXIT_CODE = 3  # a stub died (tritonserver's own codes are 0 and 1)
+
+
+def http_port(command: list[str], default: int = 8000) -> int:
+    for arg in command:
+        if arg.startswith("--http-port="):
+            return int(arg.split("=", 1)[1])
+    return default
+
+
+class Supervisor:
+    def __init__(self, command: list[str], on_fault: str = "restart", poll_s: float = 0.5,
+                 fault_grace_s: float = 10.0, env: dict | None = None):
+        if on_fault not in ("restart", "exit"):
+            raise ValueError(f"on_fault must be 'restart' or 'exit', got {on_fault!r}")
+        self.command, self.on_fault, self.env = list(command), on_fault, env
+        self.poll_s, self.fault_grace_s = poll_s, fault_grace_s
+        self.index_url = f"http://127.0.0.1:{http_port(command)}/v2/repository/index"
+        self.child: subprocess.Popen | None = None
+        self.restarts = 0
+        self._stop = threading.Event()
+
+    def ready_versions(self) -> set[tuple[str, str]] | None:
+        """(model, version) pairs Triton reports READY; None when it does not answer."""
+        request = urllib.request.Request(self.index_url, data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=5) as reply:
+                index = json.loads(reply.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return {(m["name"], str(m["version"])) for m in index if m.get("state") == "READY" and "version" in m}
+
+    def dead_models(self, seen: set[tuple[str, str]]) -> tuple[set, set]:
+        """(pairs seen with a stub so far, pairs READY in Triton whose stub is gone)."""
+        alive = set(python_stubs(self.child.pid).values())
+        vanished = seen - alive
+        seen = seen | alive
+        if not vanished:
+            return seen, set()
+        ready = self.ready_versions()
+        if ready is None:
+            return seen, set()
+        # A version unloaded on purpose is no longer READY: forget it. One still READY without a
+        # stub has lost it (a reload starts the new stub before the old one goes, so never that).
+        dead = vanished & ready
+        return (seen - (vanished - ready)), dead
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._forward_signal)
+        while True:
+            self.child = subprocess.Popen(self.command, env=self.env)
+            code, dead = self._watch()
+            if not dead:
+                return code  # tritonserver exited by itself, or was told to
+            if self.on_fault == "exit":
+                return FAULT_EXIT_CODE
+            self.restarts += 1
+            log.warning("starting tritonserver again (restart %d)", self.restarts)
+
+    def _watch(self) -> tuple[int, set]:
+        seen: set[tuple[str, str]] = set()
+        while True:
+            code = self.child.poll()
+            if code is not None:
+                return code, set()
+            if self._stop.is_set():
+                return self.child.wait(), set()
+            seen, dead = self.dead_models(seen)
+            if dead:
+                names = ", ".join(f"{m} version {v}" for m, v in sorted(dead))
+                log.error("the python backend stub of %s died while Triton reports it READY; stopping "
+                          "tritonserver (readiness now fails)", names)
+                self._terminate()
+                return FAULT_EXIT_CODE, dead
+            time.sleep(self.poll_s)
+
+    def _terminate(self) -> None:
+        self.child.send_signal(signal.SIGTERM)
+        try:
+            self.child.wait(self.fault_grace_s)
+        except subprocess.TimeoutExpired:
+            log.error("tritonserver still running %.0f s after SIGTERM: killing it", self.fault_grace_s)
+            self.child.kill()
+            self.child.wait()
+
+    def _forward_signal(self, signum, frame) -> None:
+        self._stop.set()
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--on-fault", choices=["restart", "exit"], default="restart")
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the stubs")
+    parser.add_argument("--fault-grace", type=float, default=10.0,
+                        help="seconds tritonserver gets to finish other requests after a stub died")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- tritonserver ARGS...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the server's command after --")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s cubeserve supervisor: %(message)s")
+    return Supervisor(command, args.on_fault, args.poll, args.fault_grace).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
