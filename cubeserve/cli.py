@@ -90,10 +90,11 @@ def cmd_serve(args) -> int:
 
     repo = Path(args.model_repository) if args.model_repository else MODEL_REPOSITORY
     ensure_demo_weights(repo)
-    server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True)
+    # Supervised: a python backend stub that dies (e.g. killed for memory) restarts the server.
+    server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True, supervised=True)
     server.start(timeout=args.timeout)
-    print(f"tritonserver (pid {server.process.pid}) ready: REST {server.http_url}, gRPC {server.grpc_url}, "
-          f"metrics {server.metrics_url}; Ctrl-C stops it", flush=True)
+    print(f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
+          f"gRPC {server.grpc_url}, metrics {server.metrics_url}; Ctrl-C stops it", flush=True)
     try:
         server.process.wait()
     except KeyboardInterrupt:

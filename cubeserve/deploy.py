@@ -52,7 +52,14 @@ def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     ]
 
 
+# tritonserver runs under cubeserve's supervisor (cubeserve/serving/supervisor.py): when a python
+# backend stub dies, Triton keeps answering ready while the model fails every request; the
+# supervisor stops the server (readiness fails at once) and exits, and the kubelet restarts the
+# container.
+SUPERVISOR = ["python3", "-m", "cubeserve.serving.supervisor", "--on-fault", "exit", "--"]
+
+
 def server_command(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     """The container's full command line: what the ServingRuntime's `args` and the image's CMD say
     (the NGC image's entrypoint script runs it)."""
-    return ["tritonserver", *tritonserver_args(model_repository)]
+    return [*SUPERVISOR, "tritonserver", *tritonserver_args(model_repository)]

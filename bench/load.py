@@ -1,0 +1,408 @@
+"""`make load`: a load and soak test of the local Triton server with the shipped demo model.
+
+N client threads (one client object per thread: tritonclient's HTTP client is not thread-safe)
+send known greedy requests for a while over REST predict, gRPC predict and the gRPC stream, and
+every result is checked against tokens computed in process beforehand. A refusal that says to
+retry (busy: HTTP 503 / gRPC UNAVAILABLE) is counted and retried here, so it is not lost;
+anything else that fails is lost. The server's resident memory (its whole process tree) is
+sampled during the run to catch leaks.
+
+    python -m bench.load --clients 64 --duration 600 [--max-objects 8] [--max-queue N]
+                         [--resolution 4] [--max-rss-growth-mb 64] [--json out.json] [--no-markdown]
+
+Exits non-zero when a request was lost or wrong, or when the server's memory grew past the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import random
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+# The known requests: prompts worded like the demo model's training prompts (cubeserve/demo/
+# shapes.py), greedy, so that every answer has exactly one right token sequence.
+PROMPTS = ("a small ball", "a tall thin cylinder", "a round coffee table", "a high-backed chair",
+           "a big fat donut", "a large cube", "a small tall mug", "a flat disc", "a tall pointy cone",
+           "a capsule lying on its side", "a little crate", "a big thin ring")
+TRANSPORTS = ("rest", "grpc", "grpc-stream")
+RSS_SAMPLE_S = 10.0
+MESH_CHECK_EVERY = 8  # parse one mesh in 8 per client (and its first): parsing costs client CPU
+KEEP_MESSAGES = 5
+BACKOFF_S, MAX_BACKOFF_S = 0.05, 1.0
+GIVE_UP_S = 300.0  # a request still refused (or unanswered) after this long is lost
+
+
+# -- the server's memory ------------------------------------------------------------------------
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants, found by scanning every process's parent in /proc/*/stat
+    (works at any depth and needs no CONFIG_PROC_CHILDREN)."""
+    children = defaultdict(list)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        children[ppid].append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, ()))
+    return tree
+
+
+def tree_rss_mb(pid: int) -> tuple[float, int]:
+    """(sum of VmRSS over the process tree in MiB, number of processes). Pages shared between
+    the processes (Triton's shared-memory tensors) count once per process that maps them."""
+    total_kb, count = 0, 0
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kb += int(line.split()[1])
+                    count += 1
+                    break
+        except OSError:
+            continue
+    return total_kb / 1024, count
+
+
+class RssSampler(threading.Thread):
+    """Samples the server tree's RSS every RSS_SAMPLE_S seconds until stopped; the first sample
+    is taken at once, the last when stopped."""
+
+    def __init__(self, pid: int):
+        super().__init__(name="rss-sampler", daemon=True)
+        self.pid, self.samples, self.processes = pid, [], 0
+        self._stop_event = threading.Event()
+
+    def sample(self) -> None:
+        mb, self.processes = tree_rss_mb(self.pid)
+        self.samples.append((time.monotonic(), mb))
+
+    def run(self) -> None:
+        self.sample()
+        while not self._stop_event.wait(RSS_SAMPLE_S):
+            self.sample()
+
+    def finish(self) -> None:
+        self._stop_event.set()
+        self.join()
+        self.sample()
+
+
+# -- the model repository and the expected answers ----------------------------------------------
+
+def set_parameter(config: Path, key: str, value: int) -> None:
+    text, n = re.subn(rf'(key: "{key}" value: {{ string_value: ")[^"]*(")', rf"\g<1>{value}\g<2>",
+                      config.read_text())
+    if n != 1:
+        raise RuntimeError(f"{config}: no string_value parameter {key!r} to set")
+    config.write_text(text)
+
+
+def make_repository(root: Path, max_objects: int | None, max_queue: int | None) -> Path:
+    from cubeserve.serving.local_triton import MODEL_REPOSITORY, ensure_demo_weights
+
+    repo = root / "models"
+    for model in ("cube3d", "cube3d_stream"):
+        shutil.copytree(MODEL_REPOSITORY / model, repo / model,
+                        ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    ensure_demo_weights(repo)
+    config = repo / "cube3d_stream" / "config.pbtxt"
+    for key, value in (("max_objects", max_objects), ("max_queue", max_queue)):
+        if value is not None:
+            set_parameter(config, key, value)
+    return repo
+
+
+def known_requests(repo: Path, resolution: int) -> list[dict]:
+    """The requests and their tokens, generated in process one at a time with the same weights."""
+    import torch
+
+    from cubeserve.engine import Engine, GenerationRequest
+
+    engine = Engine.from_dir(repo / "cube3d_stream" / "1" / "weights")
+    out = []
+    with torch.inference_mode():
+        for i, prompt in enumerate(PROMPTS):
+            fields = dict(prompt=prompt, seed=i, resolution=resolution)
+            tokens = engine.generate_tokens([GenerationRequest(**fields)])[0].tolist()
+            out.append({**fields, "tokens": tokens})
+    return out
+
+
+# -- the clients --------------------------------------------------------------------------------
+
+class Stats:
+    """Counts from every client thread (under one lock: the updates are tiny)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.latencies: list[float] = []
+        self.count = Counter()  # (transport, outcome) -> n; outcome: completed | wrong | lost | refused
+        self.messages = defaultdict(list)  # outcome -> the first few messages
+        self.refusal_kinds = Counter()  # the refusals' messages up to their first ":" after the prefix
+
+    def add(self, transport: str, outcome: str, message: str | None = None, latency: float | None = None):
+        with self.lock:
+            self.count[transport, outcome] += 1
+            if latency is not None:
+                self.latencies.append(latency)
+            if outcome == "refused":
+                # "unavailable: the server is busy: 72 requests ..." -> "the server is busy"
+                self.refusal_kinds[(message.split(":", 2) + [""])[1].strip() or message] += 1
+            elif message and len(self.messages[outcome]) < KEEP_MESSAGES:
+                self.messages[outcome].append(f"{transport}: {message}")
+
+    def total(self, outcome: str) -> int:
+        return sum(n for (_, o), n in self.count.items() if o == outcome)
+
+
+def refusal(exc: Exception) -> str | None:
+    """The message of an error that says to retry later, else None. tritonclient drops the
+    status code of errors on a gRPC stream (an InferenceServerException with only the message),
+    so there the server's own "unavailable:" prefix (cubeserve.serving.protocol) tells it."""
+    from cube3d_client import ServerError
+    from cubeserve.serving.protocol import error_kind
+
+    if isinstance(exc, ServerError) and (exc.retryable or error_kind(str(exc)) == "unavailable"):
+        return str(exc)
+    return None
+
+
+def send(clients: dict, transport: str, request: dict, check_mesh: bool, stats: Stats, rng: random.Random) -> None:
+    """One request until it completes (retrying refusals); records its outcome."""
+    import trimesh
+
+    client = clients["http" if transport == "rest" else "grpc"]
+    progress: list[int] = []
+    kwargs = {"on_progress": progress.append} if transport == "grpc-stream" else {}
+    start = time.perf_counter()
+    delay = BACKOFF_S
+    while True:
+        progress.clear()
+        try:
+            result = client.generate(request["prompt"], seed=request["seed"], resolution=request["resolution"],
+                                     **kwargs)
+            break
+        except Exception as exc:  # noqa: BLE001 - every failure is counted, none ends the run
+            message = refusal(exc)
+            if message is None or time.perf_counter() - start > GIVE_UP_S:
+                stats.add(transport, "lost", f"{type(exc).__name__}: {exc}")
+                return
+            stats.add(transport, "refused", message)
+            time.sleep(delay * rng.uniform(0.5, 1.5))  # jitter: refused clients do not return in step
+            delay = min(2 * delay, MAX_BACKOFF_S)
+    latency = time.perf_counter() - start
+    tokens = np.asarray(result.tokens).tolist()
+    if tokens != request["tokens"]:
+        stats.add(transport, "wrong", f"{request['prompt']!r}: tokens differ from the in-process run")
+        return
+    if kwargs and (not progress or progress != sorted(set(progress)) or progress[-1] > len(tokens)):
+        stats.add(transport, "wrong", f"{request['prompt']!r}: progress {progress[:5]}... not increasing")
+        return
+    try:
+        if not result.mesh or result.num_faces <= 0:
+            raise ValueError(f"an empty mesh ({result.num_faces} faces, {len(result.mesh)} bytes)")
+        if check_mesh:
+            mesh = trimesh.load(io.BytesIO(result.mesh), file_type="glb", force="mesh")
+            if len(mesh.faces) != result.num_faces:
+                raise ValueError(f"the GLB has {len(mesh.faces)} faces, NUM_FACES says {result.num_faces}")
+    except Exception as exc:  # noqa: BLE001
+        stats.add(transport, "lost", f"{request['prompt']!r}: {exc}")
+        return
+    stats.add(transport, "completed", latency=latency)
+
+
+def client_loop(index: int, server, requests: list[dict], end: float, stats: Stats) -> None:
+    """One simulated user: requests and transports picked from (index, iteration), so a run is
+    the same sequence of calls every time and every client soon uses every transport."""
+    from cube3d_client import Cube3DClient
+
+    # retries=0: the client's own retries would hide the refusals this test counts.
+    clients = {"http": Cube3DClient(server.http_url, "http", retries=0, timeout=GIVE_UP_S),
+               "grpc": Cube3DClient(server.grpc_url, "grpc", retries=0, timeout=GIVE_UP_S)}
+    rng = random.Random(index)
+    try:
+        iteration = 0
+        while time.monotonic() < end:
+            request = requests[(7 * index + iteration) % len(requests)]
+            transport = TRANSPORTS[(index + iteration) % len(TRANSPORTS)]
+            send(clients, transport, request, iteration % MESH_CHECK_EVERY == 0, stats, rng)
+            iteration += 1
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None = None,
+             max_queue: int | None = None, resolution: int = 4, max_rss_growth_mb: float = 64.0,
+             warmup: int = 3, log_path: str | Path | None = None, write_markdown: bool = True) -> dict:
+    """Run the load test; returns its figures (see `failures` for the verdict)."""
+    import torch
+
+    from bench.common import hardware
+    from cubeserve.serving.local_triton import LocalTriton, free_port
+
+    with tempfile.TemporaryDirectory(prefix="cube3d-load-") as tmp:
+        repo = make_repository(Path(tmp), max_objects, max_queue)
+        requests = known_requests(repo, resolution)
+        log_path = Path(log_path) if log_path else Path(tmp) / "tritonserver.log"
+        with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log_path) as server:
+            # Warm-up (first requests pay for lazy set-up), counted apart and checked like the rest.
+            warm = Stats()
+            _warm_up(server, requests, warmup, warm)
+            sampler = RssSampler(server.process.pid)
+            sampler.start()
+            stats = Stats()
+            start = time.monotonic()
+            threads = [threading.Thread(target=client_loop, args=(i, server, requests, start + duration, stats),
+                                        name=f"load-client-{i}") for i in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.monotonic() - start
+            sampler.finish()
+            engine_line = re.search(r"(\d+) objects in flight, max_queue (\d+)", log_path.read_text(errors="replace"))
+
+    latencies = np.array(stats.latencies or [float("nan")])
+    p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
+    rss = [mb for _, mb in sampler.samples]
+    figures = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "hardware": hardware(torch.device("cpu")),
+        "clients": clients, "duration_s": duration, "elapsed_s": round(elapsed, 1), "resolution": resolution,
+        # what the engine reported at start-up (the config's values, or its defaults)
+        "max_objects": int(engine_line.group(1)) if engine_line else max_objects,
+        "max_queue": int(engine_line.group(2)) if engine_line else max_queue,
+        "known_requests": len(requests),
+        "completed": stats.total("completed"), "lost": stats.total("lost") + warm.total("lost"),
+        "wrong": stats.total("wrong") + warm.total("wrong"), "refused": stats.total("refused"),
+        "refusals_by_kind": dict(stats.refusal_kinds),
+        "messages": {k: (warm.messages[k] + stats.messages[k])[:KEEP_MESSAGES]
+                     for k in sorted(set(warm.messages) | set(stats.messages))},
+        "latency_s": {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "p99": round(float(p99), 3),
+                      "max": round(float(latencies.max()), 3)},
+        "objects_per_s": round(stats.total("completed") / elapsed, 2),
+        "transports": {t: {o: stats.count[t, o] for o in ("completed", "refused", "lost", "wrong")}
+                       for t in TRANSPORTS},
+        "server_processes": sampler.processes,
+        "rss_mb": {"start": round(rss[0], 1), "end": round(rss[-1], 1), "growth": round(rss[-1] - rss[0], 1),
+                   "max": round(max(rss), 1), "samples": [round(mb, 1) for mb in rss],
+                   "sample_interval_s": RSS_SAMPLE_S, "max_growth_bound": max_rss_growth_mb},
+    }
+    if write_markdown:
+        from bench.__main__ import update_markdown
+
+        update_markdown("load", markdown_lines(figures))
+    return figures
+
+
+def _warm_up(server, requests: list[dict], n: int, stats: Stats) -> None:
+    """n requests, one transport after the other, before the memory baseline is taken."""
+    from cube3d_client import Cube3DClient
+
+    with Cube3DClient(server.http_url, "http", retries=0) as http, Cube3DClient(server.grpc_url, "grpc", retries=0) as grpc:
+        for i in range(n):
+            send({"http": http, "grpc": grpc}, TRANSPORTS[i % len(TRANSPORTS)], requests[i % len(requests)],
+                 True, stats, random.Random(i))
+
+
+def failures(figures: dict) -> list[str]:
+    out = []
+    if figures["lost"]:
+        out.append(f"{figures['lost']} request(s) lost")
+    if figures["wrong"]:
+        out.append(f"{figures['wrong']} request(s) answered wrongly")
+    rss = figures["rss_mb"]
+    if rss["growth"] > rss["max_growth_bound"]:
+        out.append(f"server RSS grew {rss['growth']:.1f} MiB (bound {rss['max_growth_bound']:.0f} MiB)")
+    if not figures["completed"]:
+        out.append("no request completed")
+    return out
+
+
+def summary_lines(figures: dict) -> list[str]:
+    f, lat, rss = figures, figures["latency_s"], figures["rss_mb"]
+    lines = [
+        f"load: {f['clients']} clients for {f['duration_s']:g} s ({f['elapsed_s']:g} s with the last requests), "
+        f"max_objects {f['max_objects']}, max_queue {f['max_queue']}, resolution {f['resolution']}, "
+        f"{f['known_requests']} known greedy requests, on {f['hardware']}",
+        f"completed {f['completed']}, lost {f['lost']}, wrong {f['wrong']}, "
+        f"refused {f['refused']} (503/UNAVAILABLE, retried: {f['refusals_by_kind'] or 'none'})",
+        f"latency (first try to result, refusals included) p50 {lat['p50']:.3f} s, p95 {lat['p95']:.3f} s, "
+        f"p99 {lat['p99']:.3f} s, max {lat['max']:.3f} s; {f['objects_per_s']:.2f} objects/s",
+        "per transport: " + ", ".join(f"{t} {c['completed']} done / {c['refused']} refused / {c['lost']} lost / "
+                                      f"{c['wrong']} wrong" for t, c in f["transports"].items()),
+        f"server RSS ({f['server_processes']} processes, VmRSS summed): {rss['start']:.1f} MiB after warm-up, "
+        f"{rss['end']:.1f} MiB at the end, growth {rss['growth']:+.1f} MiB (bound {rss['max_growth_bound']:.0f} MiB; "
+        f"max {rss['max']:.1f}; samples every {rss['sample_interval_s']:.0f} s: {rss['samples']})",
+    ]
+    for outcome, messages in f["messages"].items():
+        lines += [f"first {outcome} messages:"] + [f"  {m}" for m in messages]
+    return lines
+
+
+def markdown_lines(figures: dict) -> list[str]:
+    f, lat, rss = figures, figures["latency_s"], figures["rss_mb"]
+    per = ", ".join(f"{t} {c['completed']}" for t, c in f["transports"].items())
+    return [
+        "## Load and soak (`make load`)",
+        "",
+        f"Measured {f['date']} on {f['hardware']}: the local Triton server with the demo model, "
+        f"{f['clients']} client threads for {f['duration_s']:g} s over REST predict, gRPC predict and the gRPC "
+        f"stream, {f['known_requests']} known greedy requests at resolution {f['resolution']}, every result "
+        f"checked against the in-process tokens; max_objects {f['max_objects']}, max_queue {f['max_queue']}. "
+        "Refused = busy answers (503 / UNAVAILABLE) retried by the client; latency counts from the first try.",
+        "",
+        "| completed | lost | wrong | refused | p50 | p95 | p99 | objects/s | server RSS start → end |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {f['completed']} ({per}) | {f['lost']} | {f['wrong']} | {f['refused']} | {lat['p50']:.2f} s | "
+        f"{lat['p95']:.2f} s | {lat['p99']:.2f} s | {f['objects_per_s']:.2f} | {rss['start']:.0f} → "
+        f"{rss['end']:.0f} MiB ({rss['growth']:+.1f}) |",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=64, help="concurrent client threads")
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (running requests finish)")
+    parser.add_argument("--max-objects", type=int, help="cube3d_stream max_objects (default: as shipped)")
+    parser.add_argument("--max-queue", type=int, help="cube3d_stream max_queue (default: as shipped)")
+    parser.add_argument("--resolution", type=int, default=4, help="geometry resolution of every request")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=64.0,
+                        help="fail when the server's RSS grows more than this during the run")
+    parser.add_argument("--log", help="tritonserver log file (default: in the temporary model repository)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--no-markdown", action="store_true", help="do not write BENCHMARKS.md's load section")
+    args = parser.parse_args(argv)
+    figures = run_load(args.clients, args.duration, args.max_objects, args.max_queue, args.resolution,
+                       args.max_rss_growth_mb, log_path=args.log, write_markdown=not args.no_markdown)
+    print("\n".join(summary_lines(figures)))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    problems = failures(figures)
+    print("FAILED: " + "; ".join(problems) if problems else "OK: nothing lost or wrong, memory within the bound")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
