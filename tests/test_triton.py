@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import re
 import shutil
 import threading
 import time
@@ -20,6 +19,7 @@ from cubeserve.checkpoint import write_random_weights
 from cubeserve.config import TINY
 from cubeserve.engine import Engine, GenerationRequest
 from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, free_port
+from serving_helpers import metrics
 
 # Version 2 is a slow checkpoint (1024 shape tokens) so that requests are still running while
 # the tests cancel them or unload the other version.
@@ -53,16 +53,6 @@ def server(repo, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine_v1(repo):
     return Engine.from_dir(repo / "cube3d_stream" / "1" / "weights")
-
-
-def metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r'(cube3d_\w+)\{.*version="(\d+)".*\} ([0-9.e+-]+)', line)
-        if m:
-            out[f"{m.group(1)}/v{m.group(2)}"] = float(m.group(3))
-    return out
 
 
 def expected_tokens(engine, **fields):

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from cubeserve import deploy
+from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "triton_models"
@@ -57,18 +58,20 @@ class LocalTriton:
     """A tritonserver process bound to 127.0.0.1, stopped by its PID.
 
     `supervised`: run it under cubeserve.serving.supervisor, which starts it again when a python
-    backend stub dies (`process` is then the supervisor; tritonserver is its child)."""
+    backend stub dies (`process` is then the supervisor; tritonserver is its child), giving the
+    other requests `fault_grace` seconds to finish first."""
 
     def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = deploy.HTTP_PORT,
                  grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
                  log_path: str | Path | None = None,
-                 extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False):
+                 extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False,
+                 fault_grace: float = 10.0):
         self.model_repository = Path(model_repository)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.verbose = verbose
-        self.supervised = supervised
+        self.supervised, self.fault_grace = supervised, fault_grace
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -86,8 +89,8 @@ class LocalTriton:
 
     def command(self) -> list[str]:
         if self.supervised:
-            return [sys.executable, "-m", "cubeserve.serving.supervisor", "--on-fault", "restart", "--",
-                    *self.server_command()]
+            return [sys.executable, "-m", "cubeserve.serving.supervisor", "--on-fault", "restart",
+                    "--fault-grace", str(self.fault_grace), "--", *self.server_command()]
         return self.server_command()
 
     def server_command(self) -> list[str]:
@@ -143,12 +146,14 @@ class LocalTriton:
     def stop(self, timeout: float = 60.0) -> None:
         if self.process is None or self.process.poll() is not None:
             return
+        stubs = {} if self.supervised else stub_processes(self.process.pid)  # the supervisor reaps its own
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        kill_leftover_stubs(stubs)
         if self._log_file:
             self._log_file.close()
 

@@ -9,6 +9,8 @@ endpoint answers 200. The supervisor and the predict model watch the stubs with 
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 STUB_EXECUTABLE = "triton_python_backend_stub"
@@ -23,23 +25,48 @@ def _parent_pid(pid_dir: Path) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def python_stubs(server_pid: int) -> dict[int, tuple[str, str]]:
-    """{stub pid: (model name, version)} for the live stub processes of tritonserver `server_pid`."""
+def _stub_model_py(pid_dir: Path) -> Path | None:
+    """The model.py a live stub process runs, None for anything else (or a zombie)."""
+    try:
+        args = (pid_dir / "cmdline").read_bytes().split(b"\0")
+        state = (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    if state == "Z" or len(args) < 2 or not args[0].decode(errors="replace").endswith(STUB_EXECUTABLE):
+        return None  # a zombie is a dead stub that Triton has not reaped
+    return Path(args[1].decode(errors="replace"))
+
+
+def stub_processes(server_pid: int) -> dict[int, Path]:
+    """{stub pid: its model.py (<repository>/<model>/<version>/model.py)} of tritonserver `server_pid`."""
     stubs = {}
     for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit() or _parent_pid(pid_dir) != server_pid:
-            continue
-        try:
-            args = (pid_dir / "cmdline").read_bytes().split(b"\0")
-            state = (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "Z" or len(args) < 2 or not args[0].decode(errors="replace").endswith(STUB_EXECUTABLE):
-            continue  # a zombie is a dead stub that Triton has not reaped
-        model_py = Path(args[1].decode(errors="replace"))
-        stubs[int(pid_dir.name)] = (model_py.parent.parent.name, model_py.parent.name)
+        if pid_dir.name.isdigit() and _parent_pid(pid_dir) == server_pid:
+            model_py = _stub_model_py(pid_dir)
+            if model_py is not None:
+                stubs[int(pid_dir.name)] = model_py
     return stubs
+
+
+def python_stubs(server_pid: int) -> dict[int, tuple[str, str]]:
+    """{stub pid: (model name, version)} for the live stub processes of tritonserver `server_pid`."""
+    return {pid: (path.parent.parent.name, path.parent.name) for pid, path in stub_processes(server_pid).items()}
 
 
 def stub_alive(server_pid: int, model: str, version: str | int) -> bool:
     return (model, str(version)) in python_stubs(server_pid).values()
+
+
+def kill_leftover_stubs(stubs: dict[int, Path]) -> list[int]:
+    """SIGKILL the stubs of `stubs` (from stub_processes while tritonserver lived) that outlived
+    it: a stub whose server was killed is reparented and can linger, e.g. on a thread still
+    waiting for a dead engine. A pid is hit only while it still runs the same model.py."""
+    killed = []
+    for pid, model_py in stubs.items():
+        if _stub_model_py(Path(f"/proc/{pid}")) == model_py:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed

@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.request
 
-from cubeserve.serving.stubs import python_stubs
+from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
 
 log = logging.getLogger("cubeserve.supervisor")
 
@@ -57,6 +57,7 @@ class Supervisor:
         self.poll_s, self.fault_grace_s = poll_s, fault_grace_s
         self.index_url = f"http://127.0.0.1:{http_port(command)}/v2/repository/index"
         self.child: subprocess.Popen | None = None
+        self.stubs: dict = {}  # every stub seen (pid: model.py), to reap those that outlive the server
         self.restarts = 0
         self._stop = threading.Event()
 
@@ -72,7 +73,9 @@ class Supervisor:
 
     def dead_models(self, seen: set[tuple[str, str]]) -> tuple[set, set]:
         """(pairs seen with a stub so far, pairs READY in Triton whose stub is gone)."""
-        alive = set(python_stubs(self.child.pid).values())
+        stubs = stub_processes(self.child.pid)
+        self.stubs.update(stubs)
+        alive = {(path.parent.parent.name, path.parent.name) for path in stubs.values()}
         vanished = seen - alive
         seen = seen | alive
         if not vanished:
@@ -91,6 +94,9 @@ class Supervisor:
         while True:
             self.child = subprocess.Popen(self.command, env=self.env)
             code, dead = self._watch()
+            if kill_leftover_stubs(self.stubs):
+                log.warning("killed python backend stubs that outlived tritonserver")
+            self.stubs.clear()
             if not dead:
                 return code  # tritonserver exited by itself, or was told to
             if self.on_fault == "exit":

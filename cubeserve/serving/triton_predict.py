@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -66,7 +65,6 @@ class PredictModel:
         self.version = int(args["model_version"])
         self.max_concurrency = int(params.get("max_concurrency") or 128)
         self.capacity = threading.BoundedSemaphore(self.max_concurrency)
-        self.pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="cube3d-forward")
         self.pending: dict[str, Forward] = {}
         self.pending_lock = threading.Lock()
         self.stopping = threading.Event()
@@ -82,7 +80,9 @@ class PredictModel:
                     f"the server is busy: {self.max_concurrency} requests in progress (max_concurrency of "
                     f"model cube3d); retry later")), "unavailable"))
                 continue
-            self.pool.submit(self._forward, forward)
+            # A daemon thread per forward: one waiting on a dead engine never returns, and must not
+            # keep this process from exiting (a pool's workers would).
+            threading.Thread(target=self._forward, args=(forward,), name="cube3d-forward", daemon=True).start()
         return None
 
     def _forward(self, forward: Forward) -> None:
@@ -149,6 +149,7 @@ class PredictModel:
             for forward in forwards:
                 if not forward.cancel_sent and forward.request.is_cancelled():
                     forward.cancel_sent = True
+                    pb_utils.Logger.log_info(f"client of {forward.id} went away: cancelling it")
                     self._cancel(forward)
 
     def _cancel(self, forward: Forward) -> None:
@@ -165,6 +166,4 @@ class PredictModel:
 
     def finalize(self):
         self.stopping.set()
-        # Not waiting: a forward to a dead engine never returns (the supervisor restarts the server).
-        self.pool.shutdown(wait=False, cancel_futures=False)
         self.watchdog.join(2 * WATCH_INTERVAL_S)

@@ -1,0 +1,346 @@
+"""The real tritonserver under overload and faults: a bounded queue that refuses with 503 /
+UNAVAILABLE, deadlines, clients that go away (waiting or mid-generation, on REST, gRPC and
+streams), a model unloaded while requests wait, and the engine's stub process killed, under
+the supervisor that production runs (k8s/: cubeserve.deploy.server_command)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from cube3d_client import Cube3DClient, ServerError
+from cubeserve.checkpoint import write_random_weights
+from cubeserve.config import TINY
+from cubeserve.engine import Engine, GenerationRequest
+from cubeserve.serving.local_triton import LocalTriton, free_port
+from cubeserve.serving.stubs import python_stubs
+from serving_helpers import copy_model_repository, metrics
+
+# 1024 shape tokens on the tiny model: a generation lasts long enough to be interrupted.
+LONG = dataclasses.replace(TINY, name="tiny-long",
+                           tokenizer=dataclasses.replace(TINY.tokenizer, num_encoder_latents=1024))
+MAX_OBJECTS, MAX_QUEUE = 1, 2
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"),
+                                 {"max_objects": str(MAX_OBJECTS), "max_queue": str(MAX_QUEUE)})
+    write_random_weights(LONG, root / "cube3d_stream" / "1" / "weights", seed=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo, tmp_path_factory):
+    """Supervised (restarts tritonserver when a stub dies), explicit model control."""
+    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    triton = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log, supervised=True, fault_grace=2,
+                         extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
+                                     "--load-model=cube3d"))
+    with triton:
+        yield triton
+
+
+@pytest.fixture(scope="module")
+def engine(repo):
+    return Engine.from_dir(repo / "cube3d_stream" / "1" / "weights")
+
+
+def tritonserver_pid(server) -> int:
+    children = [pid for pid in os.listdir("/proc") if pid.isdigit() and _ppid(pid) == server.process.pid]
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def _ppid(pid: str) -> int | None:
+    try:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def body(prompt: str, seed: int = 0, resolution: int = 4, timeout_us: int | None = None) -> bytes:
+    request = {"inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": [prompt]},
+                          {"name": "SEED", "shape": [1], "datatype": "INT64", "data": [seed]},
+                          {"name": "RESOLUTION", "shape": [1], "datatype": "INT32", "data": [resolution]}],
+               "outputs": [{"name": "SHAPE_TOKENS"}, {"name": "NUM_FACES"}]}
+    if timeout_us is not None:
+        request["parameters"] = {"timeout": timeout_us}  # the v2 per-request timeout, microseconds
+    return json.dumps(request).encode()
+
+
+def post(server, data: bytes, timeout: float = 120) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/cube3d/infer", data=data)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def wait_for(condition, timeout: float = 60, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not within {timeout} s: {condition.__doc__ or condition}")
+
+
+def in_flight(server) -> float:
+    return metrics(server).get("cube3d_objects_in_flight/v1", 0)
+
+
+def idle(server) -> bool:
+    """no object in flight, nothing waiting"""
+    m = metrics(server)
+    return m.get("cube3d_objects_in_flight/v1", 0) == 0 and m.get("cube3d_requests_waiting/v1", 0) == 0
+
+
+def start(target, *args) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def expected_tokens(engine, prompt, seed=0):
+    return engine.generate_tokens([GenerationRequest(prompt, seed=seed)])[0].tolist()
+
+
+# -- overload -------------------------------------------------------------------------------------
+
+def test_past_the_queue_requests_are_refused_at_once_with_503_and_the_rest_are_served(server, engine):
+    wait_for(lambda: idle(server))
+    before = metrics(server).get("cube3d_requests_dropped_total/v1/refused_busy", 0)
+    results = {}
+    threads = [start(lambda i: results.__setitem__(i, (post(server, body(f"burst {i}", seed=i)), time.monotonic())), i)
+               for i in range(6)]
+    for t in threads:
+        t.join(300)
+    accepted = {i: r for i, ((code, _), _) in results.items() if code == 200 for r in [results[i]]}
+    refused = {i: r for i, ((code, _), _) in results.items() if code == 503 for r in [results[i]]}
+    assert len(accepted) + len(refused) == 6
+    assert len(accepted) >= MAX_OBJECTS + MAX_QUEUE and refused, results.keys()
+    for i, ((_, reply), _) in refused.items():
+        assert reply["error"].startswith("unavailable: the server is busy") and "max_queue 2" in reply["error"]
+    # refused at once: before any accepted request finished
+    assert max(t for _, t in refused.values()) < min(t for _, t in accepted.values())
+    for i, ((_, reply), _) in accepted.items():
+        tokens = {o["name"]: o["data"] for o in reply["outputs"]}["SHAPE_TOKENS"]
+        assert tokens == expected_tokens(engine, f"burst {i}", seed=i)
+    assert metrics(server)["cube3d_requests_dropped_total/v1/refused_busy"] - before == len(refused)
+
+
+def test_busy_is_grpc_unavailable_and_the_project_client_retries_it(server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    wait_for(lambda: idle(server))
+    blockers = [start(post, server, body(f"blocker {i}")) for i in range(MAX_OBJECTS + MAX_QUEUE)]
+    wait_for(lambda: metrics(server).get("cube3d_requests_waiting/v1", 0) == MAX_QUEUE)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"one too many"], dtype=np.object_))
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("cube3d", [prompt])
+    client.close()
+    assert err.value.status() == "StatusCode.UNAVAILABLE" and "busy" in err.value.message()
+    # The project's client backs off and retries a 503 until the queue has room.
+    with Cube3DClient(server.http_url, "http", retries=20, backoff=0.2) as retrying:
+        assert len(retrying.generate("patient", resolution=4).tokens) == LONG.num_tokens
+    for t in blockers:
+        t.join(300)
+
+
+# -- deadlines and clients that go away -----------------------------------------------------------
+
+def test_a_deadline_that_passes_while_waiting_fails_with_503_and_takes_no_slot(server):
+    wait_for(lambda: idle(server))
+    tokens_before = metrics(server)["cube3d_tokens_generated_total/v1"]
+    blocker = start(post, server, body("blocker"))
+    wait_for(lambda: in_flight(server) == 1)
+    code, reply = post(server, body("in a hurry", timeout_us=300_000))
+    assert code == 503 and reply["error"].startswith("unavailable: deadline exceeded"), reply
+    blocker.join(300)
+    after = metrics(server)
+    assert after["cube3d_tokens_generated_total/v1"] - tokens_before == LONG.num_tokens  # the blocker's only
+    assert after["cube3d_requests_dropped_total/v1/expired"] >= 1
+
+
+def test_a_waiting_request_whose_client_went_away_never_takes_a_slot(server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    wait_for(lambda: idle(server))
+    before = metrics(server)
+    blocker = start(post, server, body("blocker"))
+    wait_for(lambda: in_flight(server) == 1)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"gone while waiting"], dtype=np.object_))
+    with pytest.raises(InferenceServerException):  # the client gives up while its request waits
+        client.infer("cube3d", [prompt], client_timeout=0.3)
+    client.close()
+    blocker.join(300)
+    wait_for(lambda: idle(server))
+    after = metrics(server)
+    assert after["cube3d_tokens_generated_total/v1"] - before["cube3d_tokens_generated_total/v1"] == LONG.num_tokens
+    assert after["cube3d_requests_dropped_total/v1/cancelled"] - before.get(
+        "cube3d_requests_dropped_total/v1/cancelled", 0) == 1
+
+
+def _rest_disconnect(server):
+    """Triton 2.51's HTTP frontend does not see a client close its connection while the request
+    runs (triton-inference-server/server#7077: the paused request's socket is not read), so a
+    REST client's slot is freed by its deadline: the v2 `timeout` parameter, which the project's
+    client always sends."""
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        data = body("gone mid-generation", timeout_us=1_000_000)
+        sock.sendall(b"POST /v2/models/cube3d/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        wait_for(lambda: metrics(server)["cube3d_tokens_generated_total/v1"] > tokens_at_start[0] + 50)
+
+
+def _grpc_disconnect(server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"gone mid-generation"], dtype=np.object_))
+    with pytest.raises(InferenceServerException):  # the client's own deadline: it stops waiting
+        client.infer("cube3d", [prompt], client_timeout=1.0)
+    client.close()
+
+
+def _stream_disconnect(server):
+    import tritonclient.grpc as grpcclient
+
+    progress = []
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: progress.append(result))
+    prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"gone mid-generation"], dtype=np.object_))
+    stream = grpcclient.InferInput("STREAM_PROGRESS", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    client.async_stream_infer("cube3d_stream", [prompt, stream])
+    wait_for(lambda: len(progress) >= 50)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+
+
+tokens_at_start = [0.0]
+
+
+@pytest.mark.parametrize("disconnect", [_rest_disconnect, _grpc_disconnect, _stream_disconnect],
+                         ids=["rest-with-deadline", "grpc", "stream"])
+def test_a_client_that_goes_away_mid_generation_frees_its_slot(server, disconnect):
+    wait_for(lambda: idle(server))
+    tokens_at_start[0] = metrics(server)["cube3d_tokens_generated_total/v1"]
+    disconnect(server)
+    wait_for(lambda: in_flight(server) == 0)
+    settled = metrics(server)["cube3d_tokens_generated_total/v1"]
+    time.sleep(0.5)
+    assert metrics(server)["cube3d_tokens_generated_total/v1"] == settled, "the engine kept decoding"
+    assert settled - tokens_at_start[0] < LONG.num_tokens
+
+
+# -- bad requests beside good ones ----------------------------------------------------------------
+
+def test_bad_requests_beside_good_ones_lose_nothing(server, engine):
+    wait_for(lambda: idle(server))
+    results = {}
+    bad = {"TOP_P": ("FP32", 7.0), "RESOLUTION": ("INT32", 99), "SEED": ("INT64", -1)}
+
+    def good(i):
+        results[i] = post(server, body(f"good {i}", seed=i))
+
+    def send_bad(name):
+        request = json.loads(body("bad"))
+        dtype, value = bad[name]
+        request["inputs"] = [i for i in request["inputs"] if i["name"] != name]
+        request["inputs"].append({"name": name, "shape": [1], "datatype": dtype, "data": [value]})
+        results[name] = post(server, json.dumps(request).encode())
+
+    threads = [start(good, i) for i in range(2)] + [start(send_bad, n) for n in bad]
+    for t in threads:
+        t.join(300)
+    for name in bad:
+        code, reply = results[name]
+        assert code == 400 and reply["error"].startswith(f"{name}:") and "must be" in reply["error"], reply
+    for i in range(2):
+        code, reply = results[i]
+        assert code == 200
+        assert {o["name"]: o["data"] for o in reply["outputs"]}["SHAPE_TOKENS"] == expected_tokens(engine, f"good {i}", i)
+
+
+# -- a model unloaded while requests wait ---------------------------------------------------------
+
+def test_unloading_the_engine_finishes_running_and_waiting_requests_then_refuses_clearly(server, engine):
+    """Triton drains a decoupled model before it unloads it: what was accepted is served."""
+    import tritonclient.http as httpclient
+
+    wait_for(lambda: idle(server))
+    results = {}
+    threads = [start(lambda i: results.__setitem__(i, post(server, body(f"unload {i}", seed=i))), i) for i in range(3)]
+    wait_for(lambda: metrics(server).get("cube3d_requests_waiting/v1", 0) == 2)
+    admin = httpclient.InferenceServerClient(server.http_url)
+    admin.unload_model("cube3d_stream")
+    for t in threads:
+        t.join(120)
+    for i, (code, reply) in results.items():
+        assert code == 200, reply
+        assert {o["name"]: o["data"] for o in reply["outputs"]}["SHAPE_TOKENS"] == expected_tokens(engine, f"unload {i}", i)
+    code, reply = post(server, body("while unloaded"))
+    assert code in (400, 500, 503) and "cube3d_stream" in reply["error"], reply
+    admin.load_model("cube3d_stream")
+    assert admin.is_model_ready("cube3d_stream")
+    admin.close()
+    assert post(server, body("after the reload"))[0] == 200
+
+
+# -- the engine's process dies --------------------------------------------------------------------
+
+def kill_engine_stub(server) -> None:
+    [pid] = [pid for pid, (model, _) in python_stubs(tritonserver_pid(server)).items() if model == "cube3d_stream"]
+    os.kill(pid, signal.SIGKILL)
+
+
+def ready(server) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=2) as reply:
+            return reply.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.mark.parametrize("when", ["mid-generation", "between requests"])
+def test_a_killed_engine_process_fails_its_requests_clearly_and_the_server_comes_back(server, when):
+    wait_for(lambda: ready(server) and idle(server), timeout=120)
+    first_pid = tritonserver_pid(server)
+    results = {}
+    threads = []
+    if when == "mid-generation":
+        threads = [start(lambda i: results.__setitem__(i, post(server, body(f"doomed {i}"))), i) for i in range(2)]
+        wait_for(lambda: in_flight(server) == 1)
+    kill_engine_stub(server)
+    wait_for(lambda: not ready(server), timeout=5)  # KServe stops routing here
+    for t in threads:
+        t.join(60)
+    for code, reply in results.values():
+        assert code == 503 and "engine process of cube3d_stream version 1 is gone" in reply["error"], reply
+    wait_for(lambda: ready(server), timeout=120)  # the supervisor started tritonserver again
+    assert tritonserver_pid(server) != first_pid
+    code, reply = post(server, body("alive again"))
+    assert code == 200, reply
