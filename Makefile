@@ -7,7 +7,7 @@ PROMPT ?= a round table
 CHECKPOINT ?=
 STORE ?= outputs/model_store
 
-.PHONY: install test serve demo demo-model bench k8s image pipeline pipelines clean
+.PHONY: install test serve demo demo-model bench load k8s image pipeline pipelines clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ demo-model: install
 # Benchmarks on whatever device is present: BENCHMARKS.md tables and bench/results.json.
 bench: install
 	$(PY) -m bench
+
+# Load and soak test of the local server: CLIENTS threads for DURATION seconds over REST, gRPC and
+# the gRPC stream, every result checked; fails on a lost or wrong result or on server memory growth.
+# Writes BENCHMARKS.md's load section.
+CLIENTS ?= 64
+DURATION ?= 600
+load: install
+	$(PY) -m bench.load --clients $(CLIENTS) --duration $(DURATION)
 
 # Render every KServe overlay with kubectl kustomize; check the manifests and `cubeserve rollout`.
 k8s: install

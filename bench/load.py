@@ -21,7 +21,6 @@ import io
 import json
 import random
 import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -107,26 +106,12 @@ class RssSampler(threading.Thread):
 
 # -- the model repository and the expected answers ----------------------------------------------
 
-def set_parameter(config: Path, key: str, value: int) -> None:
-    text, n = re.subn(rf'(key: "{key}" value: {{ string_value: ")[^"]*(")', rf"\g<1>{value}\g<2>",
-                      config.read_text())
-    if n != 1:
-        raise RuntimeError(f"{config}: no string_value parameter {key!r} to set")
-    config.write_text(text)
-
-
 def make_repository(root: Path, max_objects: int | None, max_queue: int | None) -> Path:
-    from cubeserve.serving.local_triton import MODEL_REPOSITORY, ensure_demo_weights
+    from cubeserve.serving.local_triton import copy_model_repository, ensure_demo_weights
 
-    repo = root / "models"
-    for model in ("cube3d", "cube3d_stream"):
-        shutil.copytree(MODEL_REPOSITORY / model, repo / model,
-                        ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    parameters = {k: v for k, v in (("max_objects", max_objects), ("max_queue", max_queue)) if v is not None}
+    repo = copy_model_repository(root / "models", parameters)
     ensure_demo_weights(repo)
-    config = repo / "cube3d_stream" / "config.pbtxt"
-    for key, value in (("max_objects", max_objects), ("max_queue", max_queue)):
-        if value is not None:
-            set_parameter(config, key, value)
     return repo
 
 
@@ -135,7 +120,11 @@ def known_requests(repo: Path, resolution: int) -> list[dict]:
     import torch
 
     from cubeserve.engine import Engine, GenerationRequest
+    from cubeserve.engine.threads import set_thread_openmp_threads
 
+    # One OpenMP thread: a team of several stalls at every barrier when another process holds a
+    # core (12 requests: 0.8 s on one thread, 8 s on two, on 2 busy cores; same tokens).
+    set_thread_openmp_threads(1)
     engine = Engine.from_dir(repo / "cube3d_stream" / "1" / "weights")
     out = []
     with torch.inference_mode():
@@ -153,7 +142,7 @@ class Stats:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.latencies: list[float] = []
+        self.latencies = defaultdict(list)  # transport -> seconds of each completed request
         self.count = Counter()  # (transport, outcome) -> n; outcome: completed | wrong | lost | refused
         self.messages = defaultdict(list)  # outcome -> the first few messages
         self.refusal_kinds = Counter()  # the refusals' messages up to their first ":" after the prefix
@@ -162,7 +151,7 @@ class Stats:
         with self.lock:
             self.count[transport, outcome] += 1
             if latency is not None:
-                self.latencies.append(latency)
+                self.latencies[transport].append(latency)
             if outcome == "refused":
                 # "unavailable: the server is busy: 72 requests ..." -> "the server is busy"
                 self.refusal_kinds[(message.split(":", 2) + [""])[1].strip() or message] += 1
@@ -174,13 +163,14 @@ class Stats:
 
 
 def refusal(exc: Exception) -> str | None:
-    """The message of an error that says to retry later, else None. tritonclient drops the
-    status code of errors on a gRPC stream (an InferenceServerException with only the message),
-    so there the server's own "unavailable:" prefix (cubeserve.serving.protocol) tells it."""
+    """The message of a refusal from the server that says to retry later (503 / UNAVAILABLE),
+    else None. Told by the server's own "unavailable:" prefix (cubeserve.serving.protocol), not
+    by the status alone: gRPC also says UNAVAILABLE when the server cannot be reached (lost, not
+    refused), and tritonclient drops the status of errors on a gRPC stream."""
     from cube3d_client import ServerError
     from cubeserve.serving.protocol import error_kind
 
-    if isinstance(exc, ServerError) and (exc.retryable or error_kind(str(exc)) == "unavailable"):
+    if isinstance(exc, ServerError) and error_kind(str(exc)) == "unavailable":
         return str(exc)
     return None
 
@@ -213,8 +203,8 @@ def send(clients: dict, transport: str, request: dict, check_mesh: bool, stats: 
     if tokens != request["tokens"]:
         stats.add(transport, "wrong", f"{request['prompt']!r}: tokens differ from the in-process run")
         return
-    if kwargs and (not progress or progress != sorted(set(progress)) or progress[-1] > len(tokens)):
-        stats.add(transport, "wrong", f"{request['prompt']!r}: progress {progress[:5]}... not increasing")
+    if kwargs and progress != list(range(1, len(tokens) + 1)):  # one report per decode step, in order
+        stats.add(transport, "wrong", f"{request['prompt']!r}: progress {progress[:8]}... is not 1..{len(tokens)}")
         return
     try:
         if not result.mesh or result.num_faces <= 0:
@@ -229,9 +219,11 @@ def send(clients: dict, transport: str, request: dict, check_mesh: bool, stats: 
     stats.add(transport, "completed", latency=latency)
 
 
-def client_loop(index: int, server, requests: list[dict], end: float, stats: Stats) -> None:
-    """One simulated user: requests and transports picked from (index, iteration), so a run is
-    the same sequence of calls every time and every client soon uses every transport."""
+def client_loop(index: int, server, requests: list[dict], end: float, stats: Stats,
+                iterations: int | None = None) -> None:
+    """One simulated user until `end` (or for `iterations` requests): requests and transports
+    picked from (index, iteration), so a run is the same sequence of calls every time and every
+    client soon uses every transport."""
     from cube3d_client import Cube3DClient
 
     # retries=0: the client's own retries would hide the refusals this test counts.
@@ -240,7 +232,8 @@ def client_loop(index: int, server, requests: list[dict], end: float, stats: Sta
     rng = random.Random(index)
     try:
         iteration = 0
-        while time.monotonic() < end:
+        while (time.monotonic() < end and iteration != iterations
+               and server.process.poll() is None):  # stop if the server died
             request = requests[(7 * index + iteration) % len(requests)]
             transport = TRANSPORTS[(index + iteration) % len(TRANSPORTS)]
             send(clients, transport, request, iteration % MESH_CHECK_EVERY == 0, stats, rng)
@@ -250,41 +243,60 @@ def client_loop(index: int, server, requests: list[dict], end: float, stats: Sta
             c.close()
 
 
+def run_clients(n: int, server, requests: list[dict], end: float, stats: Stats, iterations: int | None = None):
+    threads = [threading.Thread(target=client_loop, args=(i, server, requests, end, stats, iterations),
+                                name=f"load-client-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None = None,
              max_queue: int | None = None, resolution: int = 4, max_rss_growth_mb: float = 64.0,
-             warmup: int = 3, log_path: str | Path | None = None, write_markdown: bool = True) -> dict:
-    """Run the load test; returns its figures (see `failures` for the verdict)."""
+             log_path: str | Path | None = None, write_markdown: bool = True, warm_up: bool = True) -> dict:
+    """Run the load test; returns its figures (see `failures` for the verdict). `warm_up=False`
+    skips the warm-up round (short tests: the memory baseline then includes the ramp-up)."""
     import torch
 
     from bench.common import hardware
     from cubeserve.serving.local_triton import LocalTriton, free_port
+    from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
 
     with tempfile.TemporaryDirectory(prefix="cube3d-load-") as tmp:
         repo = make_repository(Path(tmp), max_objects, max_queue)
         requests = known_requests(repo, resolution)
         log_path = Path(log_path) if log_path else Path(tmp) / "tritonserver.log"
-        with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log_path) as server:
-            # Warm-up (first requests pay for lazy set-up), counted apart and checked like the rest.
+        server = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log_path).start()
+        stubs = stub_processes(server.process.pid)  # to reap them if tritonserver dies (stop() then does not)
+        sampler = RssSampler(server.process.pid)
+        try:
+            # Warm-up: one request from every client at once, counted apart and checked like the
+            # rest, so that the memory baseline is taken with the server's pools (forwarding
+            # threads, connections, buffers) already at the size this many clients need.
             warm = Stats()
-            _warm_up(server, requests, warmup, warm)
-            sampler = RssSampler(server.process.pid)
+            run_clients(clients if warm_up else 0, server, requests, float("inf"), warm, iterations=1)
             sampler.start()
             stats = Stats()
             start = time.monotonic()
-            threads = [threading.Thread(target=client_loop, args=(i, server, requests, start + duration, stats),
-                                        name=f"load-client-{i}") for i in range(clients)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            run_clients(clients, server, requests, start + duration, stats)
             elapsed = time.monotonic() - start
             sampler.finish()
-            engine_line = re.search(r"(\d+) objects in flight, max_queue (\d+)", log_path.read_text(errors="replace"))
+            server_exit = server.process.poll()  # None: still running, as it should be
+        finally:
+            server.stop()
+            kill_leftover_stubs(stubs)
+        log = log_path.read_text(errors="replace")
+        engine_line = re.search(r"(\d+) objects in flight, max_queue (\d+)", log)
 
-    latencies = np.array(stats.latencies or [float("nan")])
-    p50, p95, p99 = np.percentile(latencies, [50, 95, 99])
+    def percentiles(values: list[float]) -> dict:
+        values = np.array(values or [float("nan")])
+        p50, p95, p99 = np.percentile(values, [50, 95, 99])
+        return {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "p99": round(float(p99), 3),
+                "max": round(float(values.max()), 3)}
+
     rss = [mb for _, mb in sampler.samples]
     figures = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
@@ -299,12 +311,13 @@ def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None
         "refusals_by_kind": dict(stats.refusal_kinds),
         "messages": {k: (warm.messages[k] + stats.messages[k])[:KEEP_MESSAGES]
                      for k in sorted(set(warm.messages) | set(stats.messages))},
-        "latency_s": {"p50": round(float(p50), 3), "p95": round(float(p95), 3), "p99": round(float(p99), 3),
-                      "max": round(float(latencies.max()), 3)},
+        "latency_s": percentiles([x for values in stats.latencies.values() for x in values]),
         "objects_per_s": round(stats.total("completed") / elapsed, 2),
-        "transports": {t: {o: stats.count[t, o] for o in ("completed", "refused", "lost", "wrong")}
-                       for t in TRANSPORTS},
+        "transports": {t: {**{o: stats.count[t, o] for o in ("completed", "refused", "lost", "wrong")},
+                           "latency_s": percentiles(stats.latencies[t])} for t in TRANSPORTS},
         "server_processes": sampler.processes,
+        "server_exit_code": server_exit,
+        "server_log_tail": log.splitlines()[-15:] if server_exit is not None else [],
         "rss_mb": {"start": round(rss[0], 1), "end": round(rss[-1], 1), "growth": round(rss[-1] - rss[0], 1),
                    "max": round(max(rss), 1), "samples": [round(mb, 1) for mb in rss],
                    "sample_interval_s": RSS_SAMPLE_S, "max_growth_bound": max_rss_growth_mb},
@@ -316,18 +329,10 @@ def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None
     return figures
 
 
-def _warm_up(server, requests: list[dict], n: int, stats: Stats) -> None:
-    """n requests, one transport after the other, before the memory baseline is taken."""
-    from cube3d_client import Cube3DClient
-
-    with Cube3DClient(server.http_url, "http", retries=0) as http, Cube3DClient(server.grpc_url, "grpc", retries=0) as grpc:
-        for i in range(n):
-            send({"http": http, "grpc": grpc}, TRANSPORTS[i % len(TRANSPORTS)], requests[i % len(requests)],
-                 True, stats, random.Random(i))
-
-
 def failures(figures: dict) -> list[str]:
     out = []
+    if figures["server_exit_code"] is not None:
+        out.append(f"the server exited during the run (code {figures['server_exit_code']})")
     if figures["lost"]:
         out.append(f"{figures['lost']} request(s) lost")
     if figures["wrong"]:
@@ -343,21 +348,24 @@ def failures(figures: dict) -> list[str]:
 def summary_lines(figures: dict) -> list[str]:
     f, lat, rss = figures, figures["latency_s"], figures["rss_mb"]
     lines = [
-        f"load: {f['clients']} clients for {f['duration_s']:g} s ({f['elapsed_s']:g} s with the last requests), "
+        f"load: {f['clients']} clients for {f['duration_s']:g} s (ran {f['elapsed_s']:g} s, the last requests included), "
         f"max_objects {f['max_objects']}, max_queue {f['max_queue']}, resolution {f['resolution']}, "
         f"{f['known_requests']} known greedy requests, on {f['hardware']}",
         f"completed {f['completed']}, lost {f['lost']}, wrong {f['wrong']}, "
         f"refused {f['refused']} (503/UNAVAILABLE, retried: {f['refusals_by_kind'] or 'none'})",
         f"latency (first try to result, refusals included) p50 {lat['p50']:.3f} s, p95 {lat['p95']:.3f} s, "
         f"p99 {lat['p99']:.3f} s, max {lat['max']:.3f} s; {f['objects_per_s']:.2f} objects/s",
-        "per transport: " + ", ".join(f"{t} {c['completed']} done / {c['refused']} refused / {c['lost']} lost / "
-                                      f"{c['wrong']} wrong" for t, c in f["transports"].items()),
+        *(f"  {t}: {c['completed']} done, {c['refused']} refused, {c['lost']} lost, {c['wrong']} wrong; "
+          f"p50 {c['latency_s']['p50']:.3f} s, p95 {c['latency_s']['p95']:.3f} s" for t, c in f["transports"].items()),
         f"server RSS ({f['server_processes']} processes, VmRSS summed): {rss['start']:.1f} MiB after warm-up, "
         f"{rss['end']:.1f} MiB at the end, growth {rss['growth']:+.1f} MiB (bound {rss['max_growth_bound']:.0f} MiB; "
         f"max {rss['max']:.1f}; samples every {rss['sample_interval_s']:.0f} s: {rss['samples']})",
     ]
     for outcome, messages in f["messages"].items():
         lines += [f"first {outcome} messages:"] + [f"  {m}" for m in messages]
+    if f["server_log_tail"]:
+        lines += [f"the server exited (code {f['server_exit_code']}); its log ends:"] + [
+            f"  {line}" for line in f["server_log_tail"]]
     return lines
 
 
@@ -378,6 +386,9 @@ def markdown_lines(figures: dict) -> list[str]:
         f"| {f['completed']} ({per}) | {f['lost']} | {f['wrong']} | {f['refused']} | {lat['p50']:.2f} s | "
         f"{lat['p95']:.2f} s | {lat['p99']:.2f} s | {f['objects_per_s']:.2f} | {rss['start']:.0f} → "
         f"{rss['end']:.0f} MiB ({rss['growth']:+.1f}) |",
+        "",
+        "Verdict: " + ("; ".join(failures(f)) or "nothing lost or wrong")
+        + f" (memory bound: {rss['max_growth_bound']:.0f} MiB of growth).",
     ]
 
 

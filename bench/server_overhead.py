@@ -3,7 +3,6 @@ process, same weights, same requests, same run."""
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import threading
 import time
@@ -20,14 +19,12 @@ def run(config: str = "tiny") -> tuple[list[Record], list[str]]:
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.engine import Engine, GenerationRequest
     from cubeserve.engine.scheduler import Scheduler
-    from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, free_port
+    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
 
     prompts = [f"bench object {i}" for i in range(OBJECTS)]
     records, lines = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        repo = Path(tmp) / "models"
-        for model in ("cube3d", "cube3d_stream"):
-            shutil.copytree(MODEL_REPOSITORY / model, repo / model, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+        repo = copy_model_repository(Path(tmp) / "models")
         weights = write_random_weights(config, repo / "cube3d_stream" / "1" / "weights", seed=0)
 
         engine = Engine.from_dir(weights, device="cpu")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -20,7 +19,7 @@ import pytest
 from cube3d_client import Cube3DClient
 from cubeserve.engine import Engine, GenerationRequest
 from cubeserve.serving import protocol
-from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights, free_port
+from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
 
 PROMPT, SEED, RESOLUTION = "a small ball", 3, 5
 KSERVE_SDK_CLIENT = Path(__file__).with_name("kserve_sdk_client.py")
@@ -28,9 +27,7 @@ KSERVE_SDK_CLIENT = Path(__file__).with_name("kserve_sdk_client.py")
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("model_repository")
-    for model in ("cube3d", "cube3d_stream"):
-        shutil.copytree(MODEL_REPOSITORY / model, root / model, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
     ensure_demo_weights(root)  # the shipped demo model
     return root
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from cubeserve.serving.protocol import INPUTS, MESH_ENCODINGS, decode_mesh
+from cubeserve.serving.protocol import INPUTS, MESH_ENCODINGS, decode_mesh, error_kind
 
 _DTYPES = {"bytes": "BYTES", "int": None, "float": "FP32", "bool": "BOOL"}
 _INT_DTYPES = {"SEED": ("INT64", np.int64), "RESOLUTION": ("INT32", np.int32)}
@@ -40,7 +40,8 @@ class ServerError(RuntimeError):
 
     @property
     def retryable(self) -> bool:
-        return self.status in ("503", "StatusCode.UNAVAILABLE")
+        # Errors on a gRPC stream reach tritonclient without their status: the message says it.
+        return self.status in ("503", "StatusCode.UNAVAILABLE") or error_kind(str(self)) == "unavailable"
 
 
 @dataclass
@@ -70,7 +71,9 @@ def _is_retryable(exc: Exception) -> bool:
     if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
         return True
     status = str(getattr(exc, "status", lambda: None)() or "")
-    return "UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or status == "503"
+    message = str(getattr(exc, "message", lambda: "")() or "")
+    return ("UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or status == "503"
+            or error_kind(message) == "unavailable")  # a stream's errors carry no status
 
 
 class Cube3DClient:

@@ -9,6 +9,7 @@ first on PATH (it ignores PYTHONPATH), so the running interpreter's `bin` goes f
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -168,6 +169,22 @@ class LocalTriton:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def copy_model_repository(target: Path, engine_parameters: dict | None = None) -> Path:
+    """triton_models/ (both models' configs and code, no weights) copied into `target`, with
+    string parameters of cube3d_stream/config.pbtxt set (e.g. {"max_objects": 1})."""
+    target = Path(target)
+    for model in (deploy.PREDICT_MODEL, deploy.STREAM_MODEL):
+        shutil.copytree(MODEL_REPOSITORY / model, target / model, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    config = target / deploy.STREAM_MODEL / "config.pbtxt"
+    text = config.read_text()
+    for key, value in (engine_parameters or {}).items():
+        text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\g<1>"{value}"', text)
+        if count != 1:
+            raise ValueError(f"{config} has no string parameter {key!r}")
+    config.write_text(text)
+    return target
 
 
 def ensure_demo_weights(model_repository: Path = MODEL_REPOSITORY, demo_model: Path = DEMO_MODEL) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -38,3 +39,29 @@ def request_timeout_s(request) -> float | None:
     which Triton hands to the model as request.timeout(); None when not set."""
     micros = request.timeout()
     return micros / 1e6 if micros else None
+
+
+class Reply:
+    """A request's response sender, answered once (later answers are dropped), whose client is
+    asked about only until then: once the final response is out, Triton frees the request, and
+    request.is_cancelled() on it crashes the server (in TRITONBACKEND_ResponseFactoryIsCancelled).
+    So asking and the final answer never overlap."""
+
+    def __init__(self, request):
+        self.request = request
+        self._sender = request.get_response_sender()
+        self._lock = threading.Lock()
+        self._answered = False
+
+    def send(self, response=None, final: bool = True) -> bool:
+        """Send `response` (None: an empty final response); False if already answered."""
+        with self._lock:
+            if self._answered:
+                return False
+            self._answered = final
+            self._sender.send(response, flags=FINAL if final else 0)
+            return True
+
+    def client_gone(self) -> bool:
+        with self._lock:
+            return not self._answered and self.request.is_cancelled()

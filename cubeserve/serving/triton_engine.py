@@ -29,7 +29,7 @@ from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.engine.scheduler import EngineStats, Scheduler
 from cubeserve.serving import protocol
 from cubeserve.serving.protocol import CANCEL_PARAMETER
-from cubeserve.serving.triton_common import FINAL, error_response, parameters, request_timeout_s, response
+from cubeserve.serving.triton_common import Reply, error_response, parameters, request_timeout_s, response
 
 CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
 
@@ -144,24 +144,24 @@ class EngineModel:
         return None  # every response goes through the request's response sender
 
     def _submit(self, request):
-        sender = request.get_response_sender()
+        reply = Reply(request)
         cancel_id = json.loads(request.parameters() or "{}").get(CANCEL_PARAMETER)
         if cancel_id is not None:  # a control request: cancel a forwarded request, answer nothing
             with self.forwarded_lock:
                 ticket = self.forwarded.get(cancel_id)
             if ticket is not None:
                 ticket.cancel()
-            sender.send(flags=FINAL)
+            reply.send()
             return
         try:
             generation, options = protocol.parse_request(_inputs(request))
             protocol.validate(generation, self.uses_bbox)
         except InvalidRequest as exc:
-            sender.send(error_response(str(exc), "invalid"), flags=FINAL)
+            reply.send(error_response(str(exc), "invalid"))
             return
 
         def on_progress(tokens: int) -> None:  # on the decode thread, between steps
-            sender.send(response({"PROGRESS": np.array([tokens], dtype=np.int32)}))
+            reply.send(response({"PROGRESS": np.array([tokens], dtype=np.int32)}), final=False)
 
         last_poll = [0.0]
 
@@ -170,7 +170,7 @@ class EngineModel:
             if now - last_poll[0] < CANCEL_POLL_S:
                 return False
             last_poll[0] = now
-            return request.is_cancelled()
+            return reply.client_gone()
 
         request_id = request.request_id()
 
@@ -179,23 +179,22 @@ class EngineModel:
                 with self.forwarded_lock:
                     self.forwarded.pop(request_id, None)
             try:
-                outputs = protocol.result_outputs(future.result(), options.mesh_encoding)
-                sender.send(response(outputs), flags=FINAL)
+                reply.send(response(protocol.result_outputs(future.result(), options.mesh_encoding)))
             except CancelledError:
-                sender.send(flags=FINAL)
+                reply.send()
             except Unavailable as exc:
-                sender.send(error_response(str(exc), "unavailable"), flags=FINAL)
+                reply.send(error_response(str(exc), "unavailable"))
             except Exception as exc:  # noqa: BLE001 - report it; never take the stub down
-                sender.send(error_response(f"generation failed: {exc}"), flags=FINAL)
+                reply.send(error_response(f"generation failed: {exc}"))
 
         try:
             ticket = self.scheduler.submit(generation, on_progress=on_progress if options.stream_progress else None,
                                            client_gone=client_gone, timeout=request_timeout_s(request))
         except Unavailable as exc:  # busy, or the model is being unloaded
-            sender.send(error_response(str(exc), "unavailable"), flags=FINAL)
+            reply.send(error_response(str(exc), "unavailable"))
             return
         except Exception as exc:  # noqa: BLE001
-            sender.send(error_response(str(exc)), flags=FINAL)
+            reply.send(error_response(str(exc)))
             return
         if request_id:
             with self.forwarded_lock:

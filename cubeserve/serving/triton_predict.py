@@ -27,28 +27,18 @@ from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.serving import protocol
 from cubeserve.serving.stubs import stub_alive
 from cubeserve.serving.protocol import CANCEL_PARAMETER
-from cubeserve.serving.triton_common import FINAL, error_response, parameters
+from cubeserve.serving.triton_common import Reply, error_response, parameters
 
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks at the waiting forwards
 
 
-class Forward:
-    """One request on its way through the engine; answered exactly once."""
+class Forward(Reply):
+    """One request on its way through the engine, with the id of its forward."""
 
     def __init__(self, request):
-        self.request = request
-        self.sender = request.get_response_sender()
+        super().__init__(request)
         self.id = f"cube3d-{uuid.uuid4().hex}"
         self.cancel_sent = False
-        self._lock = threading.Lock()
-        self._answered = False
-
-    def answer(self, response=None) -> None:
-        with self._lock:
-            if self._answered:
-                return
-            self._answered = True
-        self.sender.send(response, flags=FINAL)
 
 
 class PredictModel:
@@ -76,7 +66,7 @@ class PredictModel:
         for request in requests:
             forward = Forward(request)
             if not self.capacity.acquire(blocking=False):
-                forward.answer(error_response(str(Unavailable(
+                forward.send(error_response(str(Unavailable(
                     f"the server is busy: {self.max_concurrency} requests in progress (max_concurrency of "
                     f"model cube3d); retry later")), "unavailable"))
                 continue
@@ -89,9 +79,9 @@ class PredictModel:
         with self.pending_lock:
             self.pending[forward.id] = forward
         try:
-            forward.answer(self._relay(forward))
+            forward.send(self._relay(forward))
         except Exception as exc:  # noqa: BLE001 - answer, never take the stub down
-            forward.answer(error_response(f"forwarding to {self.engine_model} failed: {exc}"))
+            forward.send(error_response(f"forwarding to {self.engine_model} failed: {exc}"))
         finally:
             with self.pending_lock:
                 self.pending.pop(forward.id, None)
@@ -144,10 +134,10 @@ class PredictModel:
                 continue
             if not self._engine_alive():
                 for forward in forwards:
-                    forward.answer(self._engine_gone_error())
+                    forward.send(self._engine_gone_error())
                 continue
             for forward in forwards:
-                if not forward.cancel_sent and forward.request.is_cancelled():
+                if not forward.cancel_sent and forward.client_gone():
                     forward.cancel_sent = True
                     pb_utils.Logger.log_info(f"client of {forward.id} went away: cancelling it")
                     self._cancel(forward)
