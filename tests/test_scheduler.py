@@ -94,3 +94,59 @@ def test_one_openmp_team_geometry_thread_single_threaded_others_untouched():
     assert threads.release_openmp_workers()
     x = torch.arange(1 << 22, dtype=torch.float64)
     assert torch.get_num_threads() == before and x.sum().item() == (1 << 22) * ((1 << 22) - 1) / 2
+
+
+def test_slot_state_carries_no_autograd_history(make_engine):
+    """An admission with grad enabled chained every slot's inputs into one autograd graph that
+    grew for as long as the server lived."""
+    from cubeserve.engine.batch import SlotPool
+
+    pool = SlotPool(make_engine("tiny"), max_objects=2)
+    for _ in range(3):
+        slot = pool.admit([Req("a chair")])[0]
+        pool.release(slot)
+    assert pool.x.grad_fn is None and not pool.x.requires_grad
+    assert all(not t.requires_grad for t in (pool._bos, pool.scale, pool.positions))
+
+
+def test_past_max_queue_requests_are_refused_at_once_and_taken_again_later(make_engine):
+    from cubeserve.engine import Unavailable
+
+    engine = make_engine("tiny")
+    with Scheduler(engine, max_objects=1, max_queue=1) as sched:
+        first, second = sched.submit(Req("one", resolution=4)), sched.submit(Req("two", resolution=4))
+        with pytest.raises(Unavailable, match=r"^unavailable: the server is busy: 2 requests .* max_queue 1"):
+            sched.submit(Req("three", resolution=4))
+        assert first.result(timeout=60).tokens and second.result(timeout=60).tokens
+        assert sched.generate(Req("three", resolution=4), timeout=60).tokens  # room again
+        assert sched.stats.snapshot()["refused_busy"] == 1 and sched.outstanding == 0
+
+
+def test_a_deadline_passing_in_the_queue_fails_the_request_without_a_slot(make_engine):
+    from cubeserve.engine import Unavailable
+
+    engine = make_engine("tiny")
+    with Scheduler(engine, max_objects=1) as sched:
+        blocker = sched.submit(Req("blocker", resolution=4), on_progress=lambda n: time.sleep(0.005))
+        hurried = sched.submit(Req("hurried", resolution=4), timeout=0.05)
+        with pytest.raises(Unavailable, match="deadline exceeded"):
+            hurried.result(timeout=60)
+        assert blocker.result(timeout=60).tokens
+        stats = sched.stats.snapshot()
+    assert stats["expired"] == 1 and stats["tokens_generated"] == engine.cfg.num_tokens
+    with pytest.raises(ValueError, match="timeout"):
+        Scheduler(engine).submit(Req("x"), timeout=0)
+
+
+def test_stopping_fails_waiting_requests_as_unavailable(make_engine):
+    from cubeserve.engine import Unavailable
+
+    sched = Scheduler(make_engine("tiny"), max_objects=1).start()
+    running = sched.submit(Req("running", resolution=4), on_progress=lambda n: time.sleep(0.01))
+    waiting = sched.submit(Req("waiting", resolution=4))
+    sched.stop()
+    for ticket in (running, waiting):
+        with pytest.raises(Unavailable, match="engine stopped"):
+            ticket.result(timeout=5)
+    with pytest.raises(Unavailable, match="stopping"):
+        sched.submit(Req("late"))
