@@ -174,7 +174,7 @@ def test_busy_is_grpc_unavailable_and_the_project_client_retries_it(server):
     client.close()
     assert err.value.status() == "StatusCode.UNAVAILABLE" and "busy" in err.value.message()
     # The project's client backs off and retries a 503 until the queue has room.
-    with Cube3DClient(server.http_url, "http", retries=6, backoff=0.2) as retrying:  # 12.6 s in all
+    with Cube3DClient(server.http_url, "http", retries=8, backoff=0.2) as retrying:  # 51 s in all
         assert len(retrying.generate("patient", resolution=4).tokens) == LONG.num_tokens
     for t in blockers:
         t.join(300)
@@ -356,3 +356,20 @@ def test_a_killed_engine_process_fails_its_requests_clearly_and_the_server_comes
     assert tritonserver_pid(server) != first_pid
     code, reply = post(server, body("alive again"))
     assert code == 200, reply
+
+
+def test_in_a_container_the_supervisor_exits_for_the_kubelet_to_restart(repo, tmp_path):
+    """k8s/ runs `--on-fault exit` (cubeserve.deploy.server_command), with Triton's default model
+    control: a dead stub stops the server and the container's process exits with
+    FAULT_EXIT_CODE, so the kubelet restarts the container (restartPolicy Always)."""
+    from cubeserve import deploy
+    from cubeserve.serving.supervisor import FAULT_EXIT_CODE
+
+    assert deploy.server_command()[:6] == [*deploy.SUPERVISOR[:1], "-m", "cubeserve.serving.supervisor",
+                                           "--on-fault", "exit", "--"]
+    triton = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "log", supervised=True,
+                         fault_grace=2, on_fault="exit")
+    with triton:
+        kill_engine_stub(triton)
+        wait_for(lambda: not ready(triton), timeout=5)
+        assert triton.process.wait(60) == FAULT_EXIT_CODE

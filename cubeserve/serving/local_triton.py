@@ -60,19 +60,20 @@ class LocalTriton:
 
     `supervised`: run it under cubeserve.serving.supervisor, which starts it again when a python
     backend stub dies (`process` is then the supervisor; tritonserver is its child), giving the
-    other requests `fault_grace` seconds to finish first."""
+    other requests `fault_grace` seconds to finish first; `on_fault="exit"` makes it exit
+    instead, as in a container."""
 
     def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = deploy.HTTP_PORT,
                  grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
                  log_path: str | Path | None = None,
                  extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False,
-                 fault_grace: float = 10.0):
+                 fault_grace: float = 10.0, on_fault: str = "restart"):
         self.model_repository = Path(model_repository)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.verbose = verbose
-        self.supervised, self.fault_grace = supervised, fault_grace
+        self.supervised, self.fault_grace, self.on_fault = supervised, fault_grace, on_fault
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -90,7 +91,7 @@ class LocalTriton:
 
     def command(self) -> list[str]:
         if self.supervised:
-            return [sys.executable, "-m", "cubeserve.serving.supervisor", "--on-fault", "restart",
+            return [sys.executable, "-m", "cubeserve.serving.supervisor", "--on-fault", self.on_fault,
                     "--fault-grace", str(self.fault_grace), "--", *self.server_command()]
         return self.server_command()
 

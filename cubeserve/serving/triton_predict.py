@@ -113,7 +113,8 @@ class PredictModel:
             if response.output_tensors():
                 final = response
         if final is None:
-            return error_response("cancelled: the client went away before the mesh was ready", "unavailable")
+            return error_response(str(Unavailable("cancelled: the client went away before the mesh was ready")),
+                                  "unavailable")
         return pb_utils.InferenceResponse(output_tensors=final.output_tensors())
 
     # -- the watchdog ---------------------------------------------------------------------------
