@@ -4,13 +4,14 @@ Each Triton model instance runs in its own process; this one loads the weights o
 on its device and runs the engine's batching thread (`Scheduler`). `execute` only parses and
 hands requests over, then returns: responses go out through each request's response sender
 when ready, progress (with STREAM_PROGRESS) from the decode thread between steps, the mesh from
-the geometry thread. A client that goes away (`request.is_cancelled()`) leaves the batch, and so does a request whose
-deadline (the v2 `timeout` parameter) passes; past `max_queue` waiting requests, new ones are
-refused at once as UNAVAILABLE (HTTP 503).
-The predict-API model `cube3d` (triton_predict.py) forwards here, so one engine serves both;
-since a BLS request cannot be cancelled from its caller, the predict model cancels a forwarded
-request whose client went away with a control request carrying the request parameter
-CANCEL_PARAMETER (the forwarded request's id).
+the geometry thread. A client that goes away (`request.is_cancelled()`) leaves the batch, and
+so does a request whose deadline (the v2 `timeout` parameter) passes; past `max_queue` waiting
+requests, new ones are refused at once as UNAVAILABLE (HTTP 503).
+
+The predict-API model `cube3d` (triton_predict.py) forwards here, so one engine serves both.
+A BLS request cannot be cancelled by its caller in Triton 2.51, so the predict model cancels a
+forward whose client went away with a control request: one carrying the request parameter
+CANCEL_PARAMETER, whose value is the forward's request id.
 """
 
 from __future__ import annotations
