@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,9 @@ def cmd_serve(args) -> int:
     server.start(timeout=args.timeout)
     print(f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
           f"gRPC {server.grpc_url}, metrics {server.metrics_url}; Ctrl-C stops it", flush=True)
+    # SIGTERM (kill, a process manager) stops the server too, as Ctrl-C does, instead of leaving
+    # it running without its parent.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
         server.process.wait()
     except KeyboardInterrupt:

@@ -373,3 +373,33 @@ def test_in_a_container_the_supervisor_exits_for_the_kubelet_to_restart(repo, tm
         kill_engine_stub(triton)
         wait_for(lambda: not ready(triton), timeout=5)
         assert triton.process.wait(60) == FAULT_EXIT_CODE
+
+
+def test_cubeserve_serve_runs_supervised_and_sigterm_stops_every_process(repo, tmp_path):
+    """`cubeserve serve` (`make serve`): tritonserver under the supervisor; SIGTERM to the command
+    (a process manager, `kill`) passes down the tree, and no process is left behind."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench.load import process_tree
+
+    http = free_port()
+    command = [str(Path(sys.executable).parent / "cubeserve"), "serve", "--model-repository", str(repo),
+               "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
+    serve = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = wait_for(lambda: (lambda out: out if out.startswith("tritonserver (") else None)(serve.stdout.readline()),
+                        timeout=120)
+        assert "supervisor pid" in line and "ready" in line
+        tree = process_tree(serve.pid)
+        names = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:3] for pid in tree]
+        assert any(b"cubeserve.serving.supervisor" in n for args in names for n in args)
+        assert any(args[0].endswith(b"tritonserver") for args in names)
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(90) == 0
+        wait_for(lambda: not [pid for pid in tree if os.path.exists(f"/proc/{pid}")], timeout=30)
+    finally:
+        if serve.poll() is None:
+            serve.terminate()  # SIGKILL would leave the server behind
+            serve.wait(90)
