@@ -45,28 +45,11 @@ GIVE_UP_S = 300.0  # a request still refused (or unanswered) after this long is 
 
 # -- the server's memory ------------------------------------------------------------------------
 
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants, found by scanning every process's parent in /proc/*/stat
-    (works at any depth and needs no CONFIG_PROC_CHILDREN)."""
-    children = defaultdict(list)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # the process ended while we looked
-        children[ppid].append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo.extend(children.get(p, ()))
-    return tree
-
-
 def tree_rss_mb(pid: int) -> tuple[float, int]:
     """(sum of VmRSS over the process tree in MiB, number of processes). Pages shared between
     the processes (Triton's shared-memory tensors) count once per process that maps them."""
+    from cubeserve.serving.stubs import process_tree
+
     total_kb, count = 0, 0
     for p in process_tree(pid):
         try:

@@ -157,12 +157,10 @@ def test_metadata_and_config_describe_every_input_and_output(server, model):
     assert [i["name"] for i in metadata["inputs"]] == expected_inputs
     expected_outputs = [n for n in protocol.OUTPUTS if model == "cube3d_stream" or n != "PROGRESS"]
     assert [o["name"] for o in metadata["outputs"]] == expected_outputs
-    kinds = {"bytes": "BYTES", "bool": "BOOL"}
+    for tensor in metadata["inputs"] + metadata["outputs"]:
+        assert tensor["datatype"] == protocol.DATATYPES[tensor["name"]], tensor
     for tensor in metadata["inputs"]:
-        _, kind, elements = protocol.INPUTS[tensor["name"]]
-        assert tensor["shape"] == [elements]
-        if kind in kinds:
-            assert tensor["datatype"] == kinds[kind]
+        assert tensor["shape"] == [protocol.INPUTS[tensor["name"]][2]]
     assert {i["name"] for i in config["input"] if not i.get("optional")} == {"PROMPT"}
     if model == "cube3d_stream":
         assert config["model_transaction_policy"]["decoupled"] is True

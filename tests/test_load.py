@@ -46,7 +46,9 @@ def test_process_tree_walks_every_level():
     child = subprocess.Popen(["sh", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
     try:
         grandchild = int(child.stdout.readline())
-        tree = load.process_tree(os.getpid())
+        from cubeserve.serving.stubs import process_tree
+
+        tree = process_tree(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree and grandchild in tree
         mb, processes = load.tree_rss_mb(os.getpid())
         assert processes >= 3 and mb > load.tree_rss_mb(grandchild)[0] > 0

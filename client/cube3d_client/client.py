@@ -24,10 +24,9 @@ from typing import Callable
 
 import numpy as np
 
-from cubeserve.serving.protocol import INPUTS, MESH_ENCODINGS, decode_mesh, error_kind
+from cubeserve.serving.protocol import DATATYPES, MESH_ENCODINGS, decode_mesh, error_kind
 
-_DTYPES = {"bytes": "BYTES", "int": None, "float": "FP32", "bool": "BOOL"}
-_INT_DTYPES = {"SEED": ("INT64", np.int64), "RESOLUTION": ("INT32", np.int32)}
+_NUMPY = {"INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_}
 
 
 class ServerError(RuntimeError):
@@ -70,8 +69,9 @@ def _is_retryable(exc: Exception) -> bool:
     """A connection failure, or a refusal that says to retry (503 / UNAVAILABLE)."""
     if isinstance(exc, (ConnectionError, OSError, TimeoutError)):
         return True
-    status = str(getattr(exc, "status", lambda: None)() or "")
-    message = str(getattr(exc, "message", lambda: "")() or "")
+    # tritonclient's InferenceServerException has status() and message() methods
+    status = str(exc.status() or "") if callable(getattr(exc, "status", None)) else ""
+    message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
     return ("UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or status == "503"
             or error_kind(message) == "unavailable")  # a stream's errors carry no status
 
@@ -122,16 +122,11 @@ class Cube3DClient:
         for name, value in values.items():
             if value is None:
                 continue
-            kind = INPUTS[name][1]
-            if kind == "bytes":
-                dtype, array = "BYTES", np.array([str(value).encode("utf-8")], dtype=np.object_)
-            elif name in _INT_DTYPES:
-                dtype, np_type = _INT_DTYPES[name]
-                array = np.array([int(value)], dtype=np_type)
-            elif kind == "float":
-                dtype, array = "FP32", np.asarray(value, dtype=np.float32).reshape(-1)
+            dtype = DATATYPES[name]
+            if dtype == "BYTES":
+                array = np.array([str(value).encode("utf-8")], dtype=np.object_)
             else:
-                dtype, array = "BOOL", np.array([bool(value)])
+                array = np.asarray(value, dtype=_NUMPY[dtype]).reshape(-1)
             tensor = module.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
             tensors.append(tensor)

@@ -49,6 +49,12 @@ INPUTS = {
 }
 FIELD_TO_INPUT = {field: name for name, (field, _, _) in INPUTS.items() if field}
 OUTPUTS = ("MESH", "SHAPE_TOKENS", "NUM_VERTICES", "NUM_FACES", "TIMINGS", "PROGRESS")
+# The v2 datatype of every tensor on the wire (what config.pbtxt declares; tests hold the
+# served metadata to it).
+DATATYPES = {"PROMPT": "BYTES", "SEED": "INT64", "GUIDANCE_SCALE": "FP32", "TOP_P": "FP32", "TEMPERATURE": "FP32",
+             "RESOLUTION": "INT32", "BBOX": "FP32", "FORMAT": "BYTES", "MESH_ENCODING": "BYTES",
+             "STREAM_PROGRESS": "BOOL", "MESH": "BYTES", "SHAPE_TOKENS": "INT32", "NUM_VERTICES": "INT64",
+             "NUM_FACES": "INT64", "TIMINGS": "BYTES", "PROGRESS": "INT32"}
 MESH_ENCODINGS = ("base64", "binary")
 # A request parameter: a request that carries it cancels the engine's request of that id (how the
 # predict model cancels a forward whose client went away; BLS requests cannot be cancelled).

@@ -1,4 +1,5 @@
-"""The python backend's stub processes of a tritonserver, found through /proc (Linux).
+"""The processes of a tritonserver, found through /proc (Linux): its process tree, and the python
+backend's stub processes among them.
 
 Triton runs every python_backend model instance in a process of its own
 (`triton_python_backend_stub <repository>/<model>/<version>/model.py ...`, a child of
@@ -16,23 +17,51 @@ from pathlib import Path
 STUB_EXECUTABLE = "triton_python_backend_stub"
 
 
-def _parent_pid(pid_dir: Path) -> int | None:
+def _stat_fields(pid_dir: Path) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: [state, ppid, ...]; None once the process is gone.
+    The name ("(comm)") may hold spaces and parentheses, so the split is after the last ")"."""
     try:
-        stat = (pid_dir / "stat").read_text()
-    except OSError:
+        return (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process now."""
+    parents = {}
+    for pid_dir in Path("/proc").iterdir():
+        if pid_dir.name.isdigit():
+            fields = _stat_fields(pid_dir)
+            if fields:
+                parents[int(pid_dir.name)] = int(fields[1])
+    return parents
+
+
+def children(pid: int) -> list[int]:
+    return [child for child, parent in _parents().items() if parent == pid]
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants, at any depth (the supervisor, tritonserver, the stubs)."""
+    below: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        below.setdefault(parent, []).append(child)
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(below.get(p, ()))
+    return tree
 
 
 def _stub_model_py(pid_dir: Path) -> Path | None:
     """The model.py a live stub process runs, None for anything else (or a zombie)."""
+    fields = _stat_fields(pid_dir)
     try:
         args = (pid_dir / "cmdline").read_bytes().split(b"\0")
-        state = (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
-    if state == "Z" or len(args) < 2 or not args[0].decode(errors="replace").endswith(STUB_EXECUTABLE):
+    if not fields or fields[0] == "Z" or len(args) < 2 or not args[0].decode(errors="replace").endswith(STUB_EXECUTABLE):
         return None  # a zombie is a dead stub that Triton has not reaped
     return Path(args[1].decode(errors="replace"))
 
@@ -40,11 +69,10 @@ def _stub_model_py(pid_dir: Path) -> Path | None:
 def stub_processes(server_pid: int) -> dict[int, Path]:
     """{stub pid: its model.py (<repository>/<model>/<version>/model.py)} of tritonserver `server_pid`."""
     stubs = {}
-    for pid_dir in Path("/proc").iterdir():
-        if pid_dir.name.isdigit() and _parent_pid(pid_dir) == server_pid:
-            model_py = _stub_model_py(pid_dir)
-            if model_py is not None:
-                stubs[int(pid_dir.name)] = model_py
+    for pid in children(server_pid):
+        model_py = _stub_model_py(Path(f"/proc/{pid}"))
+        if model_py is not None:
+            stubs[pid] = model_py
     return stubs
 
 

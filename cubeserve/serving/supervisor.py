@@ -7,10 +7,11 @@ request to it fails or hangs for as long as the server runs (python_backend r24.
 readiness). So the server runs under this supervisor, which watches the stubs (serving/stubs.py)
 and, when a model version that Triton still reports READY has no live stub:
 
-1. sends tritonserver SIGTERM: from then on its readiness endpoint answers 503, so KServe stops
-   routing to the pod, and requests on healthy models may finish (`--fault-grace` seconds, then
-   SIGKILL; requests on the dead stub never finish by themselves: the predict model has already
-   answered them with UNAVAILABLE);
+1. sends tritonserver SIGTERM: from then on its readiness endpoint no longer answers 200 (Triton
+   closes new connections while it shuts down), so KServe stops routing to the pod, and requests
+   already on healthy models may finish (`--fault-grace` seconds, then SIGKILL; requests on the
+   dead stub never finish by themselves: the predict model has already answered them with
+   UNAVAILABLE);
 2. `--on-fault restart` (local default): starts tritonserver again, which loads the model anew;
    `--on-fault exit` (the container's): exits with FAULT_EXIT_CODE, and the kubelet restarts the
    container, whose startup probe covers the new load.
