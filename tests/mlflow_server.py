@@ -1,0 +1,179 @@
+"""The MLflow tracking server of k8s/mlflow/mlflow.yaml as a local process, for the tests.
+
+    with MlflowServer(tmp_path / "mlflow") as server:
+        registry = open_registry(server.uri, "cube3d")      # server.uri: http://127.0.0.1:PORT
+
+The command is the manifest's container command (and its literal `env`), read from the YAML,
+with only these replaced: `--host` by 127.0.0.1, `--port` by a free port, the data volume's mount
+path (/data) by `data_dir`, and the program `mlflow` by this Python's `-m mlflow`. So every other
+flag the cluster runs (--serve-artifacts, --workers, --allowed-hosts, ...) is what the tests run.
+The server's own MLFLOW_* variables are not inherited from the test process.
+
+`mlflow server` starts uvicorn, which starts its workers: the server runs in a session of its own
+and is stopped by its process group (SIGTERM, then SIGKILL), also when it fails to start.
+Its output goes to `<data_dir>.log`. Not a test file: tests import it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from cubeserve.serving.local_triton import free_port
+
+MANIFEST = Path(__file__).resolve().parents[1] / "k8s" / "mlflow" / "mlflow.yaml"
+HOST = "127.0.0.1"
+
+
+def manifest_container(manifest: Path = MANIFEST) -> tuple[dict, dict]:
+    """(the `mlflow` container, the pod spec) of the manifest's Deployment `mlflow`."""
+    for doc in yaml.safe_load_all(manifest.read_text()):
+        if doc and doc.get("kind") == "Deployment" and doc["metadata"]["name"] == "mlflow":
+            pod = doc["spec"]["template"]["spec"]
+            for container in pod["containers"]:
+                if container["name"] == "mlflow":
+                    return container, pod
+    raise ValueError(f"{manifest}: no Deployment mlflow with a container mlflow")
+
+
+def server_command(data_dir: str | Path, port: int, manifest: Path = MANIFEST) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment): the manifest's command and env with host, port and data paths
+    replaced. Raises ValueError if the manifest lacks what is replaced (so a change there that
+    the tests would not follow fails here)."""
+    container, pod = manifest_container(manifest)
+    argv = list(container.get("command") or []) + list(container.get("args") or [])
+    if argv[:2] != ["mlflow", "server"]:
+        raise ValueError(f"{manifest}: the container runs {argv[:2]}, not `mlflow server`")
+    mounts = [m["mountPath"].rstrip("/") for m in container.get("volumeMounts", [])]
+    if len(mounts) != 1:
+        raise ValueError(f"{manifest}: expected one data volume mount, found {mounts}")
+    mount, data = mounts[0], str(Path(data_dir).resolve())
+
+    def data_path(arg: str) -> str:
+        for prefix in ("sqlite:///", "file://", ""):
+            if arg == prefix + mount or arg.startswith(prefix + mount + "/"):
+                return prefix + data + arg[len(prefix + mount):]
+        return arg
+
+    out, replaced = [], set()
+    args = iter(argv[2:])
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name in ("--host", "-h", "--port", "-p"):
+            if not eq:
+                value = next(args)
+            value = HOST if name in ("--host", "-h") else str(port)
+            replaced.add(name.lstrip("-")[0])
+            out += [f"{name}={value}"] if eq else [name, value]
+        else:
+            out.append(data_path(arg))
+    if replaced != {"h", "p"}:
+        raise ValueError(f"{manifest}: the command sets no --host or no --port: {argv}")
+    if not any(data in arg for arg in out):
+        raise ValueError(f"{manifest}: no argument of the command uses the data volume {mount}: {argv}")
+    env = {}
+    for item in container.get("env", []):
+        if "value" not in item:
+            raise ValueError(f"{manifest}: env {item['name']} is not a literal value; the tests cannot set it")
+        env[item["name"]] = str(item["value"])
+    return [sys.executable, "-m", "mlflow", "server", *out], env
+
+
+class MlflowServer:
+    """`mlflow server` with the manifest's flags on 127.0.0.1:`port` (default: a free port).
+
+    `uri` (http://127.0.0.1:PORT), `port`, `data_dir` (created if missing; an existing one keeps
+    its registry), `log_path`, `argv`, `env`; `start()` / `stop()` or a `with` block;
+    `request(path, host=...)` sends one GET with a chosen Host header."""
+
+    def __init__(self, data_dir: str | Path, port: int | None = None, manifest: Path = MANIFEST):
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.uri = f"http://{HOST}:{self.port}"
+        self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        self.argv, self.env = server_command(self.data_dir, self.port, manifest)
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120.0) -> "MlflowServer":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env.update(self.env)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.argv, cwd=self.data_dir, env=env, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"mlflow server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def request(self, path: str, host: str | None = None, timeout: float = 30.0) -> tuple[int, str]:
+        """(status, body) of `GET path` with the Host header `host` (default: the real one)."""
+        conn = http.client.HTTPConnection(HOST, self.port, timeout=timeout)
+        try:
+            conn.putrequest("GET", path, skip_host=True)
+            conn.putheader("Host", host or f"{HOST}:{self.port}")
+            conn.endheaders()
+            response = conn.getresponse()
+            return response.status, response.read().decode(errors="replace")
+        finally:
+            conn.close()
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL to what is left after `timeout`."""
+        if self.process is None:
+            return
+        pgid = self.process.pid  # start_new_session: the group's id is the server's PID
+        deadline = time.monotonic() + timeout
+        sig = signal.SIGTERM
+        while True:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break  # the group is empty
+            self.process.poll()  # reap the leader; its workers may still be stopping
+            if sig == signal.SIGKILL and time.monotonic() > deadline + 10:
+                raise RuntimeError(f"mlflow server process group {pgid} survives SIGKILL")
+            if time.monotonic() > deadline:
+                sig = signal.SIGKILL
+            else:
+                sig = 0  # only probe while they stop
+            time.sleep(0.1)
+        self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
