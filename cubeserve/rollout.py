@@ -7,7 +7,7 @@ Then a thin client applies that patch with the object's resourceVersion as a pre
 a concurrent edit makes the patch fail instead of being overwritten. Tests drive the plans
 directly (tests/test_rollout.py); nothing here needs a cluster until `Cluster` is built.
 
-Versions. A checkpoint version V is the Triton model repository at `<baseUri>/<V>`. The known
+Versions. A checkpoint version V is the Triton model repository at `<baseUri>/<V>/`. The known
 versions live in the ConfigMap `cube3d-versions` (keys `baseUri`, `versions`; see
 k8s/base/runtime/versions.yaml), not on the InferenceService: KServe copies the service's
 annotations into the pod template, so every edit of them would restart the model servers.
@@ -96,7 +96,10 @@ class Registry:
         return cls(base, versions)
 
     def uri(self, version: str) -> str:
-        return f"{self.base_uri}/{version}"
+        # The trailing slash matters: KServe's storage initializer downloads every object whose
+        # key starts with the URI's path, so `<base>/1` would also bring `<base>/10/...` into
+        # /mnt/models/0/, and tritonserver would refuse the stray model folder.
+        return f"{self.base_uri}/{version}/"
 
     def version_of(self, uri: str | None) -> str | None:
         """The version whose storage URI is `uri`, or None if it is not one of the registry's."""

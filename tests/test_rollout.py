@@ -96,8 +96,8 @@ def test_serverless_canary_promote(crd_schemas):
     # goes into the annotation in the same patch (one new revision either way).
     assert leaves(plan.patch) == {"metadata.resourceVersion", f"metadata.annotations.{r.STABLE_ANNOTATION}",
                                   "spec.predictor.canaryTrafficPercent", "spec.predictor.model.storageUri"}
-    assert plan.patch["spec"]["predictor"] == {"canaryTrafficPercent": 10, "model": {"storageUri": f"{BASE}/2"}}
-    assert plan.changes == (f"spec.predictor.model.storageUri: {BASE}/1 -> {BASE}/2",)  # 10% and "1" were there
+    assert plan.patch["spec"]["predictor"] == {"canaryTrafficPercent": 10, "model": {"storageUri": f"{BASE}/2/"}}
+    assert plan.changes == (f"spec.predictor.model.storageUri: {BASE}/1/ -> {BASE}/2/",)  # 10% and "1" were there
     canary = apply(isvc, plan)
     assert_valid(canary, crd_schemas)
     state = r.rollout_state(canary, REGISTRY)
@@ -128,7 +128,7 @@ def test_serverless_canary_promote(crd_schemas):
     # The next canary starts from version 2 and would roll back to it.
     plan = r.plan_canary(promoted, REGISTRY, "3", 5)
     assert plan.patch["metadata"]["annotations"][r.STABLE_ANNOTATION] == "2"
-    assert r.rollout_state(apply(promoted, plan), REGISTRY).stable_uri == f"{BASE}/2"
+    assert r.rollout_state(apply(promoted, plan), REGISTRY).stable_uri == f"{BASE}/2/"
 
 
 def test_serverless_rollback_pins_the_old_revision_then_finishes(crd_schemas):
@@ -136,7 +136,7 @@ def test_serverless_rollback_pins_the_old_revision_then_finishes(crd_schemas):
     plan = r.plan_rollback(canary, REGISTRY)
     # All traffic to the last rolled-out revision at once (canaryTrafficPercent 0) while the spec
     # goes back to version 1.
-    assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": 0, "model": {"storageUri": f"{BASE}/1"}}}
+    assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": 0, "model": {"storageUri": f"{BASE}/1/"}}}
     pinned = apply(canary, plan)
     assert_valid(pinned, crd_schemas)
     assert r.rollout_state(pinned, REGISTRY).phase == "rolling-back"
@@ -160,7 +160,7 @@ def test_serverless_rollback_pins_the_old_revision_then_finishes(crd_schemas):
 def test_serverless_rollback_of_a_canary_at_100_percent_rolls_forward_to_stable():
     canary = apply(serverless(), r.plan_canary(serverless(), REGISTRY, "2", 100))
     plan = r.plan_rollback(canary, REGISTRY)
-    assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": None, "model": {"storageUri": f"{BASE}/1"}}}
+    assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": None, "model": {"storageUri": f"{BASE}/1/"}}}
     assert r.rollout_state(apply(canary, plan), REGISTRY).stable == "1"
 
 
@@ -182,7 +182,7 @@ def test_raw_canary_start_share_promote(crd_schemas):
     assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.canary"}
     assert plan.patch["spec"]["canary"] == [{
         "predictor": {"name": "v2", "model": {"name": "kserve-container", "modelFormat": {"name": "triton"},
-                                              "storageUri": f"{BASE}/2"}},
+                                              "storageUri": f"{BASE}/2/"}},
         "trafficPercent": 10}]
     canary = apply(stable, plan)
     assert_valid(canary, crd_schemas)
@@ -198,7 +198,7 @@ def test_raw_canary_start_share_promote(crd_schemas):
         r.plan_promote(reconciled(canary, ready=False), REGISTRY)
     plan = r.plan_promote(reconciled(canary), REGISTRY)
     # The stable predictor takes the canary's version; the canary goes.
-    assert plan.patch["spec"] == {"predictor": {"model": {"storageUri": f"{BASE}/2"}}, "canary": None}
+    assert plan.patch["spec"] == {"predictor": {"model": {"storageUri": f"{BASE}/2/"}}, "canary": None}
     promoted = apply(reconciled(canary), plan)
     assert_valid(promoted, crd_schemas)
     assert "canary" not in promoted["spec"]
@@ -275,7 +275,7 @@ def test_the_registry_comes_from_its_configmap():
     assert r.Registry.from_configmap(configmap) == r.Registry(BASE, ("1", "2"))
     configmap["data"]["versions"] = "1, 2,3 3\n4"
     assert r.Registry.from_configmap(configmap).versions == ("1", "2", "3", "4")
-    assert REGISTRY.version_of(f"{BASE}/2/") == "2" and REGISTRY.version_of(f"{BASE}/9") is None
+    assert REGISTRY.version_of(f"{BASE}/2/") == "2" and REGISTRY.version_of(f"{BASE}/2") == "2" and REGISTRY.version_of(f"{BASE}/9/") is None
     assert REGISTRY.version_of(f"{BASE}x/2") is None
     with pytest.raises(r.RolloutError, match="baseUri"):
         r.Registry.from_configmap({"data": {"baseUri": "bucket/cube3d", "versions": "1"}})
@@ -381,7 +381,7 @@ def test_cli_canary_promote_and_status(monkeypatch, capsys):
     assert out.splitlines() == [
         "canary of version 2 at 20% (stable: version 1)",
         "  spec.predictor.canaryTrafficPercent: 10 -> 20",
-        f"  spec.predictor.model.storageUri: {BASE}/1 -> {BASE}/2",
+        f"  spec.predictor.model.storageUri: {BASE}/1/ -> {BASE}/2/",
         "patched",
     ]
     code, out = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "20")
@@ -505,7 +505,7 @@ def test_cluster_client_sends_merge_patches_over_http(tmp_path, monkeypatch):
         method, path, content_type, body = stub.requests[-1]
         assert (method, path, content_type) == ("PATCH", isvc_path, "application/merge-patch+json")
         assert body == {"metadata": {"resourceVersion": "200"},
-                        "spec": {"predictor": {"model": {"storageUri": f"{BASE}/2"}}, "canary": None}}
+                        "spec": {"predictor": {"model": {"storageUri": f"{BASE}/2/"}}, "canary": None}}
         assert "canary" not in stub.objects[isvc_path]["spec"]
     finally:
         stub.close()
