@@ -71,6 +71,7 @@ def test_plain_json_request_gets_valid_json_with_the_mesh_in_base64(server, expe
     reply = post_json(server, json_body())
     outputs = {o["name"]: o for o in reply["outputs"]}
     assert sha256(base64.b64decode(outputs["MESH"]["data"][0], validate=True)) == expected[0]
+    assert outputs["MODEL_VERSION"]["data"] == ["1"] and outputs["MODEL_VERSION"]["datatype"] == "BYTES"
     assert outputs["SHAPE_TOKENS"]["data"] == expected[1]
     timings = json.loads(outputs["TIMINGS"]["data"][0])
     assert timings["total_s"] > 0
@@ -137,6 +138,7 @@ def test_project_client_gets_raw_bytes(server, expected, transport, stream):
                                  on_progress=progress.append if stream else None)
     assert sha256(result.mesh) == expected[0] and result.tokens.tolist() == expected[1]
     assert bool(progress) == stream
+    assert result.model_version == "1"  # the version that served it, from the stream too
 
 
 def test_an_unknown_mesh_encoding_is_refused_naming_the_input(server):
@@ -157,6 +159,7 @@ def test_metadata_and_config_describe_every_input_and_output(server, model):
     assert [i["name"] for i in metadata["inputs"]] == expected_inputs
     expected_outputs = [n for n in protocol.OUTPUTS if model == "cube3d_stream" or n != "PROGRESS"]
     assert [o["name"] for o in metadata["outputs"]] == expected_outputs
+    assert "MODEL_VERSION" in expected_outputs  # every response says which version served it
     for tensor in metadata["inputs"] + metadata["outputs"]:
         assert tensor["datatype"] == protocol.DATATYPES[tensor["name"]], tensor
     for tensor in metadata["inputs"]:

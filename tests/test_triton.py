@@ -122,7 +122,8 @@ def test_two_versions_side_by_side_and_unloading_one_spares_the_other(server, re
     import tritonclient.http as httpclient
 
     with Cube3DClient(server.http_url, "http", model_version="1") as c1:
-        assert len(c1.generate("a cup", resolution=4).tokens) == TINY.num_tokens
+        first = c1.generate("a cup", resolution=4)
+    assert len(first.tokens) == TINY.num_tokens and first.model_version == "1"
     done = {}
 
     def long_request():
@@ -140,6 +141,7 @@ def test_two_versions_side_by_side_and_unloading_one_spares_the_other(server, re
     assert not admin.is_model_ready("cube3d", "1") and admin.is_model_ready("cube3d", "2")
     thread.join(120)
     assert len(done["result"].tokens) == LONG.num_tokens and done["result"].num_faces > 0
+    assert done["result"].model_version == "2"
     with Cube3DClient(server.http_url, "http", model_version="1", retries=0) as c1:
         with pytest.raises(ServerError):
             c1.generate("a cup", resolution=4)

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preview:
         Path(args.preview).write_bytes(result.preview_png())
     t = result.timings
-    print(f"mesh: {result.num_vertices} vertices, {result.num_faces} faces -> {out}")
+    served_by = f" (model version {result.model_version})" if result.model_version else ""
+    print(f"mesh: {result.num_vertices} vertices, {result.num_faces} faces -> {out}{served_by}")
     if "message" in t:
         print(f"note: {t['message']}")
     print(f"time per output token: {t.get('time_per_token_s', 0) * 1e3:.2f} ms   "

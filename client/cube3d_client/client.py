@@ -52,6 +52,9 @@ class MeshResult:
     num_faces: int
     timings: dict = field(default_factory=dict)
     client_seconds: float = 0.0
+    # The model version that served the request (the checkpoint version, e.g. "7"); "" from a
+    # server whose model has no MODEL_VERSION output.
+    model_version: str = ""
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -220,6 +223,7 @@ class Cube3DClient:
 
     @staticmethod
     def _result(result, format: str, mesh_encoding: str) -> MeshResult:
+        version = result.as_numpy("MODEL_VERSION")  # None when the server does not send it
         return MeshResult(
             mesh=decode_mesh(bytes(result.as_numpy("MESH")[0]), mesh_encoding),
             format=format,
@@ -227,6 +231,7 @@ class Cube3DClient:
             num_vertices=int(result.as_numpy("NUM_VERTICES")[0]),
             num_faces=int(result.as_numpy("NUM_FACES")[0]),
             timings=json.loads(result.as_numpy("TIMINGS")[0]),
+            model_version=bytes(version[0]).decode() if version is not None else "",
         )
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ Inputs (all but PROMPT optional, each with one element unless noted):
 Outputs:
     MESH BYTES (the mesh file, base64 text unless MESH_ENCODING is "binary"),
     SHAPE_TOKENS INT32 [N], NUM_VERTICES INT64, NUM_FACES INT64,
-    TIMINGS BYTES (JSON, seconds per stage), PROGRESS INT32 (tokens generated so far)
+    TIMINGS BYTES (JSON, seconds per stage), MODEL_VERSION BYTES (the model version that
+    served the request, e.g. "7": the checkpoint version, see serving/repository.py),
+    PROGRESS INT32 (tokens generated so far)
 
 Why base64 by default: Triton writes a BYTES output into a JSON response as a string, byte for
 byte, so raw GLB bytes make the body invalid JSON for every client that does not use the binary
@@ -48,13 +50,13 @@ INPUTS = {
     "STREAM_PROGRESS": (None, "bool", 1),
 }
 FIELD_TO_INPUT = {field: name for name, (field, _, _) in INPUTS.items() if field}
-OUTPUTS = ("MESH", "SHAPE_TOKENS", "NUM_VERTICES", "NUM_FACES", "TIMINGS", "PROGRESS")
+OUTPUTS = ("MESH", "SHAPE_TOKENS", "NUM_VERTICES", "NUM_FACES", "TIMINGS", "MODEL_VERSION", "PROGRESS")
 # The v2 datatype of every tensor on the wire (what config.pbtxt declares; tests hold the
 # served metadata to it).
 DATATYPES = {"PROMPT": "BYTES", "SEED": "INT64", "GUIDANCE_SCALE": "FP32", "TOP_P": "FP32", "TEMPERATURE": "FP32",
              "RESOLUTION": "INT32", "BBOX": "FP32", "FORMAT": "BYTES", "MESH_ENCODING": "BYTES",
              "STREAM_PROGRESS": "BOOL", "MESH": "BYTES", "SHAPE_TOKENS": "INT32", "NUM_VERTICES": "INT64",
-             "NUM_FACES": "INT64", "TIMINGS": "BYTES", "PROGRESS": "INT32"}
+             "NUM_FACES": "INT64", "TIMINGS": "BYTES", "MODEL_VERSION": "BYTES", "PROGRESS": "INT32"}
 MESH_ENCODINGS = ("base64", "binary")
 # A request parameter: a request that carries it cancels the engine's request of that id (how the
 # predict model cancels a forward whose client went away; BLS requests cannot be cancelled).
@@ -143,8 +145,8 @@ def decode_mesh(data: bytes, encoding: str) -> bytes:
     return base64.b64decode(data, validate=True) if encoding == "base64" else data
 
 
-def result_outputs(result, mesh_encoding: str = "base64") -> dict[str, np.ndarray]:
-    """A GenerationResult as output tensors."""
+def result_outputs(result, mesh_encoding: str, model_version: str) -> dict[str, np.ndarray]:
+    """A GenerationResult, made by the model version `model_version`, as output tensors."""
     mesh = result.mesh
     timings = dict(result.timings)
     if mesh.empty:
@@ -155,5 +157,6 @@ def result_outputs(result, mesh_encoding: str = "base64") -> dict[str, np.ndarra
         "NUM_VERTICES": np.array([len(mesh.vertices)], dtype=np.int64),
         "NUM_FACES": np.array([len(mesh.faces)], dtype=np.int64),
         "TIMINGS": np.array([json.dumps(timings).encode()], dtype=np.object_),
+        "MODEL_VERSION": np.array([str(model_version).encode()], dtype=np.object_),
         "PROGRESS": np.array([len(result.tokens)], dtype=np.int32),
     }

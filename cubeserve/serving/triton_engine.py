@@ -127,6 +127,7 @@ class EngineModel:
                                  single_block_mode=params.get("single_block") or "reference",
                                  config=params.get("config") or None)
         self.uses_bbox = engine.cfg.gpt.use_bbox
+        self.version = args["model_version"]  # every mesh response says it (MODEL_VERSION)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         graphs = {"": None, "auto": None, "true": True, "false": False}[params.get("cuda_graphs", "").lower()]
         max_queue = params.get("max_queue")
@@ -180,7 +181,7 @@ class EngineModel:
                 with self.forwarded_lock:
                     self.forwarded.pop(request_id, None)
             try:
-                reply.send(response(protocol.result_outputs(future.result(), options.mesh_encoding)))
+                reply.send(response(protocol.result_outputs(future.result(), options.mesh_encoding, self.version)))
             except CancelledError:
                 reply.send()
             except Unavailable as exc:
