@@ -308,10 +308,9 @@ def read_text(uri: str) -> str | None:
         return body.read().decode("utf-8")
 
 
-def write_text(uri: str, text: str) -> None:
+def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-stream") -> None:
     """Write one object (a local file is replaced atomically: written beside it, then renamed)."""
     location = _parse(uri)
-    data = text.encode("utf-8")
     if isinstance(location, Path):
         location.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=location.parent, prefix=f".{location.name}.")
@@ -327,8 +326,21 @@ def write_text(uri: str, text: str) -> None:
         raise StorageError(f"{uri}: names a directory (a prefix), not an object")
     client = _client(uri)
     with _s3_errors(uri, location, "write to"):
-        client.put_object(Bucket=location.bucket, Key=location.key, Body=data,
-                          ContentType="text/plain; charset=utf-8")
+        client.put_object(Bucket=location.bucket, Key=location.key, Body=data, ContentType=content_type)
+
+
+def write_text(uri: str, text: str) -> None:
+    write_bytes(uri, text.encode("utf-8"), "text/plain; charset=utf-8")
+
+
+def upload_path(local: str | Path, uri: str) -> None:
+    """A file to the object `uri`, or a folder to the directory `uri` (what KFP's launcher does
+    with an output artifact)."""
+    local = Path(local)
+    if local.is_dir():
+        upload_dir(local, uri)
+    else:
+        write_bytes(uri, local.read_bytes())
 
 
 def list_dirs(uri: str) -> list[str]:

@@ -1,5 +1,5 @@
 """The model registry against the MLflow tracking server of k8s/mlflow/mlflow.yaml, run as a real
-process with the manifest's flags (tests/mlflow_server.py), over HTTP; and the embedded sqlite
+process with the manifest's flags (kfp_pipelines/local_services.py), over HTTP; and the embedded sqlite
 registry for laptop use. Each test uses a model name of its own on one server."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from mlflow.exceptions import MlflowException
 from cubeserve.registry import (CHALLENGER, CHAMPION, MAX_TAG_CHARS, MlflowRegistry, ModelRegistry, Registry,
                                 RegistryError, Version, embedded_uri, open_registry)
 from cubeserve.serving.local_triton import free_port
-from mlflow_server import MANIFEST, MlflowServer, manifest_container, server_command
+from kfp_pipelines.local_services import MANIFEST, MlflowServer, manifest_container, server_command
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
 SEARCH = "/api/2.0/mlflow/registered-models/search?max_results=1"

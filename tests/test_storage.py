@@ -1,4 +1,4 @@
-"""cubeserve.storage against a real S3 server (rclone serve s3, tests/object_store.py), the version
+"""cubeserve.storage against a real S3 server (rclone serve s3, kfp_pipelines/local_services.py), the version
 repository builder, and the path a checkpoint version takes in a cluster: built, uploaded to
 `s3://<bucket>/cube3d/7/`, downloaded by KServe's own storage initializer code as its container
 runs it, served by tritonserver with the ServingRuntime's arguments, called through the predict
@@ -22,7 +22,7 @@ from cubeserve import deploy, storage
 from cubeserve.serving.local_triton import DEMO_MODEL, LocalTriton, free_port, tritonserver_home
 from cubeserve.serving.repository import build_version_repository
 from cubeserve.storage import StorageError
-from object_store import ObjectStore
+from kfp_pipelines.local_services import ObjectStore
 from serving_helpers import metrics
 
 BUCKET = "models"

