@@ -1,74 +1,86 @@
 """Kubeflow pipeline: validate, evaluate, gate, package, register and roll out a checkpoint.
 
-    python -m kfp_pipelines.compile          # writes kfp_pipelines/checkpoint_rollout.yaml
-    python -m kfp_pipelines.run_local --checkpoint DIR --store DIR   # kfp.local, no cluster
+    python -m kfp_pipelines.compile --image REGISTRY/cube-serve:TAG   # the YAML for the Kubeflow UI
+    make pipeline CHECKPOINT=DIR                                      # one run on this machine
 
-Each component is a thin wrapper over cubeserve.pipeline (tested directly there); its imports
-live inside the function because KFP ships only the function's source to the step's pod,
-which runs the cube-serve image (cubeserve installed). A failing step stops the run: nothing
-after a failed validation or gate is packaged, registered or served.
+The image is a compile-time parameter (`build(image)`): every step runs the cube-serve runtime
+image (k8s/Dockerfile), which carries cubeserve, kfp and everything a step imports, so no step
+installs anything at start. Each component is a thin wrapper over cubeserve.pipeline (tested
+there); its imports live inside the function because KFP ships only the function's source.
+
+What a run does with a checkpoint (`validate` decides, `steps.plan_run`):
+* new: evaluate (on a GPU when device is "cuda"), gate, package into the model store, register
+  (alias challenger), roll out;
+* resume: registered by an earlier run whose roll-out failed or never finished: roll it out;
+* done: registered and its roll-out decided before: nothing more.
+The exit handler (`finish`) runs whatever happened: it closes the run's MLflow run and, when a
+run fails after registration, takes the challenger out of serving and clears its alias.
+
+Credentials come from Secrets as environment variables (kfp-kubernetes): `cube-serve-s3` (the
+object store; also KServe's storage initializer's, k8s/pipeline/) and, optionally,
+`cube-serve-mlflow` (an MLflow server behind authentication).
 """
 
 from typing import NamedTuple
 
-from kfp import dsl
-from kfp.dsl import HTML, Metrics, Output
+from kfp import dsl, kubernetes
+from kfp.dsl import HTML, Metrics, Output, PipelineTaskFinalStatus
 
-# The runtime image (k8s/Dockerfile) with cubeserve and the pipeline extra installed. kfp.local
-# with SubprocessRunner(use_venv=False) ignores it and runs the steps in this environment.
-IMAGE = "registry.example.com/cube-serve:0.1.0"
 PIPELINE_NAME = "cube3d-checkpoint-rollout"
+S3_SECRET = "cube-serve-s3"
+S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+MLFLOW_SECRET = "cube-serve-mlflow"
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+GPU_RESOURCE = "nvidia.com/gpu"
 
 
-@dsl.component(base_image=IMAGE)
-def validate(checkpoint: str, registry_uri: str, model_name: str
-             ) -> NamedTuple("ValidateOutputs", [("validation", dict), ("sha256", str), ("existing_version", str)]):
-    """Only safetensors + configs, strict load, version detected, sha256 of every file; and
-    whether this very checkpoint (same digest) is registered already."""
+# -- the steps (plain functions; `build` makes them components of an image) ----------------------
+
+def validate(checkpoint: str, registry_uri: str, model_name: str, device: str, pipeline_run_id: str,
+             ) -> NamedTuple("ValidateOutputs", [("validation", dict), ("action", str), ("version", str),
+                                                 ("mlflow_run_id", str)]):
+    """Only safetensors + configs, strict load, version detected, sha256 of every file; opens
+    this pipeline run's MLflow run; decides what the run does (new, resume or done)."""
     from collections import namedtuple
 
-    from cubeserve.pipeline.steps import validate_checkpoint
-    from cubeserve.registry import ModelRegistry
+    from cubeserve.pipeline.steps import DEVICES, plan_run, validate_checkpoint
+    from cubeserve.registry import open_registry
 
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     result = validate_checkpoint(checkpoint)
-    existing = ModelRegistry(registry_uri, model_name).find_by_sha256(result["sha256"])
-    if existing is not None:
-        print(f"checkpoint {result['sha256']} is already version {existing.version}: nothing to do")
-    out = namedtuple("ValidateOutputs", ["validation", "sha256", "existing_version"])
-    return out(result, result["sha256"], existing.version if existing else "")
+    registry = open_registry(registry_uri, model_name)
+    action, version, why = plan_run(registry, result["sha256"])
+    run_id = registry.start_run(pipeline_run_id, {
+        "checkpoint": checkpoint, "sha256": result["sha256"], "config_name": result["config_name"],
+        "checkpoint_version": result["version"], "action": action})
+    print(f"checkpoint {result['sha256'][:12]}: {action} ({why})")
+    out = namedtuple("ValidateOutputs", ["validation", "action", "version", "mlflow_run_id"])
+    return out(result, action, version, run_id)
 
 
-@dsl.component(base_image=IMAGE)
-def evaluate(existing_version: str, checkpoint: str, prompts: list, resolution: int, device: str,
-             heldout_shapes: int, registry_uri: str, model_name: str, metrics: Output[Metrics],
-             report: Output[HTML]) -> dict:
-    """Meshes for the fixed prompts, compared with the champion's tokens when there is one."""
-    from pathlib import Path
+def evaluate(checkpoint: str, prompts: list, resolution: int, device: str, heldout_shapes: int, registry_uri: str,
+             model_name: str, mlflow_run_id: str, metrics: Output[Metrics], report: Output[HTML]) -> dict:
+    """Meshes for the fixed prompts, compared with the champion's tokens when there is one; the
+    metrics and the HTML report also go to the run's MLflow run."""
+    from cubeserve.pipeline.steps import evaluate_checkpoint, fetch_champion
+    from cubeserve.registry import open_registry
 
-    if existing_version:  # registered already: every later step is a no-op
-        with open(report.path, "w") as f:
-            f.write(f"<p>already registered as version {existing_version}; not evaluated again</p>")
-        return {}
-
-    from cubeserve.pipeline.steps import evaluate_checkpoint
-    from cubeserve.registry import CHAMPION, ModelRegistry
-
-    champion = ModelRegistry(registry_uri, model_name).by_alias(CHAMPION)
-    champion_weights = str(Path(champion.source) / "weights") if champion else ""
+    registry = open_registry(registry_uri, model_name)
+    champion_weights = fetch_champion(registry)
     result = evaluate_checkpoint(checkpoint, list(prompts), resolution, device, champion_weights, heldout_shapes)
     for key, value in result["metrics"].items():
         metrics.log_metric(key, float(value))
     with open(report.path, "w") as f:
         f.write(result["html"])
+    registry.log_metrics(mlflow_run_id, result["metrics"])
+    registry.log_artifact_text(mlflow_run_id, "evaluation.html", result["html"])
     return result["metrics"]
 
 
-@dsl.component(base_image=IMAGE)
-def gate(existing_version: str, metrics: dict, min_valid_share: float, min_watertight_share: float,
-         min_token_agreement: float, max_time_per_output_token_s: float, min_shape_iou: float) -> str:
+def gate(metrics: dict, min_valid_share: float, min_watertight_share: float, min_token_agreement: float,
+         max_time_per_output_token_s: float, min_shape_iou: float) -> str:
     """Fails the run (before anything is packaged) when a metric misses its threshold."""
-    if existing_version:
-        return f"skipped: already version {existing_version}"
     from cubeserve.pipeline.steps import gate as check
 
     summary = check(metrics, min_valid_share, min_watertight_share, min_token_agreement,
@@ -77,96 +89,173 @@ def gate(existing_version: str, metrics: dict, min_valid_share: float, min_water
     return summary
 
 
-@dsl.component(base_image=IMAGE)
-def package(existing_version: str, checkpoint: str, store: str, validation: dict, registry_uri: str,
-            model_name: str) -> int:
-    """The next Triton version N in the model store. N is past every registered version too,
-    so a rolled-back version's number is never reused for different weights."""
-    if existing_version:
-        return 0
-    from cubeserve.pipeline.steps import package as write_version
-    from cubeserve.registry import ModelRegistry
+def package(checkpoint: str, model_store: str, instance_kind: str, validation: dict, registry_uri: str,
+            model_name: str, target: str, namespace: str) -> int:
+    """Version N in the model store (`<model_store>/<N>/`, what KServe's storageUri names). N is
+    past every registered version too, so a rolled-back version's number is never reused for
+    other weights. For the kserve target, N is listed in the ConfigMap cube3d-versions."""
+    from cubeserve.pipeline.serving import record_version
+    from cubeserve.pipeline.steps import package as upload_version
+    from cubeserve.registry import open_registry
 
-    registry = ModelRegistry(registry_uri, model_name)
-    try:
-        known = [v.triton_version for v in registry.versions()]
-    except Exception:  # no registered model yet
-        known = []
-    return write_version(checkpoint, store, validation["files_sha256"], min_version=max(known, default=0) + 1)
-
-
-@dsl.component(base_image=IMAGE)
-def register(existing_version: str, registry_uri: str, model_name: str, store: str, triton_version: int,
-             validation: dict, metrics: dict, source_uri: str, run_id: str) -> str:
-    """A registry version with its tags and the alias `challenger`; returns its number."""
-    if existing_version:
-        return existing_version
-    from cubeserve.pipeline.steps import register as create_version
-
-    version = create_version(registry_uri, model_name, store, triton_version, validation, metrics,
-                             source_uri, run_id)
-    print(f"registered {model_name} version {version} (Triton version {triton_version})")
+    known = [v.triton_version for v in open_registry(registry_uri, model_name).versions()]
+    version = upload_version(checkpoint, model_store, validation, instance_kind, min_version=max(known, default=0) + 1)
+    print(f"version {version}: {model_store.rstrip('/')}/{version}/")
+    if target == "kserve":
+        print(record_version(namespace, version, model_store))
     return version
 
 
-@dsl.component(base_image=IMAGE)
-def roll_out(existing_version: str, target: str, registry_uri: str, model_name: str, version: str,
-             canary_percent: int, soak_requests: int, soak_seconds: float, prompts: list, triton_url: str,
-             store: str, namespace: str, isvc: str) -> dict:
+def register(registry_uri: str, model_name: str, model_store: str, triton_version: int, validation: dict,
+             metrics: dict, checkpoint: str, pipeline_run_id: str, mlflow_run_id: str) -> str:
+    """A registry version in the run's MLflow run, with its tags and the alias challenger."""
+    from cubeserve.pipeline.steps import register as create_version
+
+    version = create_version(registry_uri, model_name, model_store, triton_version, validation, metrics,
+                             checkpoint, pipeline_run_id, mlflow_run_id)
+    print(f"registered {model_name} version {version} (model store version {triton_version})")
+    return version
+
+
+def roll_out(target: str, registry_uri: str, model_name: str, version: str, canary_percent: int,
+             soak_requests: int, soak_seconds: float, prompts: list, triton_url: str, model_store: str,
+             namespace: str, isvc: str, pipeline_run_id: str) -> dict:
     """Canary, soak, promote (alias champion moves) or roll back; the decision is tagged."""
-    if existing_version:
-        return {"decision": "duplicate", "reason": f"checkpoint already registered as version {existing_version}"}
     from cubeserve.pipeline.serving import roll_out as run
 
     result = run(target, registry_uri, model_name, version, canary_percent, soak_requests, soak_seconds,
-                 list(prompts), triton_url=triton_url, store=store, namespace=namespace, isvc=isvc)
+                 list(prompts), triton_url=triton_url, model_store=model_store, namespace=namespace, isvc=isvc,
+                 pipeline_run_id=pipeline_run_id)
     print(f"{model_name} version {version}: {result['decision']} ({result['reason']})")
     return result
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="Validate, evaluate, gate, package, register and roll "
-                                               "out a Cube 3D checkpoint")
-def checkpoint_rollout(
-    checkpoint: str,
-    store: str,
-    registry_uri: str,
-    model_name: str = "cube3d",
-    prompts: list = ["a red chair", "a wooden table", "a small boat"],
-    resolution: int = 5,
-    device: str = "cpu",
-    min_valid_share: float = 1.0,
-    min_watertight_share: float = 0.0,
-    min_token_agreement: float = 0.0,
-    max_time_per_output_token_s: float = 1.0,
-    heldout_shapes: int = 0,
-    min_shape_iou: float = 0.0,
-    target: str = "local",
-    triton_url: str = "",
-    canary_percent: int = 10,
-    soak_requests: int = 2,
-    soak_seconds: float = 0.0,
-    namespace: str = "",
-    isvc: str = "cube3d",
-):
-    checked = validate(checkpoint=checkpoint, registry_uri=registry_uri, model_name=model_name)
-    # A checkpoint registered before (same sha256) makes every later step a no-op. (Not a
-    # dsl.If: kfp.local 2.17 cannot resolve a task output inside a condition.)
-    existing = checked.outputs["existing_version"]
-    evaluated = evaluate(existing_version=existing, checkpoint=checkpoint, prompts=prompts,
-                         resolution=resolution, device=device, heldout_shapes=heldout_shapes,
-                         registry_uri=registry_uri, model_name=model_name)
-    passed = gate(existing_version=existing, metrics=evaluated.outputs["Output"],
-                  min_valid_share=min_valid_share, min_watertight_share=min_watertight_share,
-                  min_token_agreement=min_token_agreement,
-                  max_time_per_output_token_s=max_time_per_output_token_s, min_shape_iou=min_shape_iou)
-    packaged = package(existing_version=existing, checkpoint=checkpoint, store=store,
-                       validation=checked.outputs["validation"], registry_uri=registry_uri,
-                       model_name=model_name).after(passed)
-    registered = register(existing_version=existing, registry_uri=registry_uri, model_name=model_name,
-                          store=store, triton_version=packaged.output, validation=checked.outputs["validation"],
-                          metrics=evaluated.outputs["Output"], source_uri=checkpoint,
-                          run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-    roll_out(existing_version=existing, target=target, registry_uri=registry_uri, model_name=model_name,
-             version=registered.output, canary_percent=canary_percent, soak_requests=soak_requests,
-             soak_seconds=soak_seconds, prompts=prompts, triton_url=triton_url, store=store,
-             namespace=namespace, isvc=isvc)
+def finish(status: PipelineTaskFinalStatus, registry_uri: str, model_name: str, pipeline_run_id: str, target: str,
+           triton_url: str, model_store: str, namespace: str, isvc: str) -> str:
+    """Exit handler: closes the MLflow run; after a failure, the champion keeps serving and the
+    challenger alias is cleared (the same checkpoint run again resumes its roll-out)."""
+    from cubeserve.pipeline.serving import finish_run
+
+    outcome = finish_run(status.state, status.error_message or "", registry_uri, model_name, pipeline_run_id,
+                         target, triton_url, model_store, namespace, isvc)
+    print(outcome)
+    return outcome
+
+
+STEPS = (validate, evaluate, gate, package, register, roll_out, finish)
+
+
+def _with_secrets(task: dsl.PipelineTask) -> dsl.PipelineTask:
+    kubernetes.use_secret_as_env(task, S3_SECRET, {k: k for k in S3_SECRET_KEYS})
+    kubernetes.use_secret_as_env(task, MLFLOW_SECRET, {k: k for k in MLFLOW_SECRET_KEYS}, optional=True)
+    return task
+
+
+def _pod(task: dsl.PipelineTask, cpu: str, memory: str, retries: int) -> dsl.PipelineTask:
+    # Every step reads or changes state outside its inputs (the object store, the registry,
+    # the cluster), so none may be answered from KFP's cache.
+    task.set_caching_options(False)
+    task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
+    if retries:
+        task.set_retry(num_retries=retries, backoff_duration="30s")
+    return _with_secrets(task)
+
+
+def build(image: str):
+    """The pipeline with every step in `image` (the cube-serve runtime image)."""
+    if not image or image.startswith("registry.example.com/"):
+        raise ValueError(f"image must name the cube-serve runtime image you pushed, got {image!r}")
+    c = {f.__name__: dsl.component(f, base_image=image, install_kfp_package=False) for f in STEPS}
+
+    @dsl.pipeline(name=PIPELINE_NAME, description="Validate, evaluate, gate, package, register and roll out "
+                                                   "a Cube 3D checkpoint")
+    def checkpoint_rollout(
+        checkpoint: str,
+        model_store: str,
+        registry_uri: str,
+        model_name: str = "cube3d",
+        instance_kind: str = "gpu",
+        prompts: list = ["a red chair", "a wooden table", "a small boat"],
+        resolution: int = 5,
+        device: str = "cpu",
+        min_valid_share: float = 1.0,
+        min_watertight_share: float = 0.0,
+        min_token_agreement: float = 0.0,
+        max_time_per_output_token_s: float = 1.0,
+        heldout_shapes: int = 0,
+        min_shape_iou: float = 0.0,
+        target: str = "kserve",
+        triton_url: str = "",
+        canary_percent: int = 10,
+        soak_requests: int = 2,
+        soak_seconds: float = 300.0,
+        namespace: str = "",
+        isvc: str = "cube3d",
+    ):
+        """Validate, evaluate, gate, package, register and roll out a Cube 3D checkpoint.
+
+        Args:
+            checkpoint: The checkpoint folder (safetensors + config.yaml + clip/), e.g. s3://bucket/checkpoints/run-42/.
+            model_store: Where versions are packaged: version N goes to <model_store>/<N>/ (an s3:// URI; the baseUri of the ConfigMap cube3d-versions).
+            registry_uri: The MLflow tracking server, e.g. http://mlflow.mlflow.svc.cluster.local:5000.
+            model_name: The registered model's name in MLflow.
+            instance_kind: gpu or cpu: where the packaged version runs its Triton instances.
+            prompts: Prompts of the evaluation and of the canary's soak requests.
+            resolution: Marching-cubes resolution (log2 of the grid size) of the evaluation meshes.
+            device: cpu or cuda: where the evaluation runs (cuda requests one GPU for that step).
+            min_valid_share: Gate: the least share of prompts that must give a non-empty mesh.
+            min_watertight_share: Gate: the least share of watertight meshes.
+            min_token_agreement: Gate: the least share of shape tokens equal to the champion's (greedy); not checked without a champion.
+            max_time_per_output_token_s: Gate: the most seconds per generated token.
+            heldout_shapes: Score generations against this many held-out procedural shapes (the demo benchmark; 0 = off).
+            min_shape_iou: Gate: the least mean IoU on those shapes (needs heldout_shapes > 0).
+            target: kserve (the InferenceService isvc in namespace) or local (a tritonserver at triton_url).
+            triton_url: host:port of the tritonserver's REST port (target local only).
+            canary_percent: Share of the traffic for the canary (target kserve).
+            soak_requests: Requests sent to the canary before it may be promoted (target local).
+            soak_seconds: How long the canary runs before the decision.
+            namespace: The InferenceService's namespace (target kserve; empty = the run's namespace).
+            isvc: The InferenceService's name (target kserve).
+        """
+        run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+        done = c["finish"](registry_uri=registry_uri, model_name=model_name, pipeline_run_id=run_id, target=target,
+                           triton_url=triton_url, model_store=model_store, namespace=namespace, isvc=isvc)
+        _pod(done, "250m", "1Gi", retries=2)
+        with dsl.ExitHandler(done, name="checkpoint"):
+            checked = _pod(c["validate"](checkpoint=checkpoint, registry_uri=registry_uri, model_name=model_name,
+                                         device=device, pipeline_run_id=run_id), "1", "8Gi", retries=2)
+            action, mlflow_run = checked.outputs["action"], checked.outputs["mlflow_run_id"]
+            rollout_args = dict(target=target, registry_uri=registry_uri, model_name=model_name,
+                                canary_percent=canary_percent, soak_requests=soak_requests,
+                                soak_seconds=soak_seconds, prompts=prompts, triton_url=triton_url,
+                                model_store=model_store, namespace=namespace, isvc=isvc, pipeline_run_id=run_id)
+            with dsl.If(action == "new", name="new-checkpoint"):
+                evaluate_args = dict(checkpoint=checkpoint, prompts=prompts, resolution=resolution, device=device,
+                                     heldout_shapes=heldout_shapes, registry_uri=registry_uri,
+                                     model_name=model_name, mlflow_run_id=mlflow_run)
+                with dsl.If(device == "cuda", name="on-gpu"):
+                    on_gpu = _pod(c["evaluate"](**evaluate_args), "4", "32Gi", retries=2)
+                    on_gpu.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(1)
+                with dsl.Else(name="on-cpu"):
+                    on_cpu = _pod(c["evaluate"](**evaluate_args), "4", "16Gi", retries=2)
+                metrics = dsl.OneOf(on_gpu.outputs["Output"], on_cpu.outputs["Output"])
+                passed = _pod(c["gate"](metrics=metrics, min_valid_share=min_valid_share,
+                                        min_watertight_share=min_watertight_share,
+                                        min_token_agreement=min_token_agreement,
+                                        max_time_per_output_token_s=max_time_per_output_token_s,
+                                        min_shape_iou=min_shape_iou), "100m", "256Mi", retries=0)
+                packaged = _pod(c["package"](checkpoint=checkpoint, model_store=model_store,
+                                             instance_kind=instance_kind, validation=checked.outputs["validation"],
+                                             registry_uri=registry_uri, model_name=model_name, target=target,
+                                             namespace=namespace), "2", "16Gi", retries=2).after(passed)
+                registered = _pod(c["register"](registry_uri=registry_uri, model_name=model_name,
+                                                model_store=model_store, triton_version=packaged.output,
+                                                validation=checked.outputs["validation"], metrics=metrics,
+                                                checkpoint=checkpoint, pipeline_run_id=run_id,
+                                                mlflow_run_id=mlflow_run), "250m", "1Gi", retries=2)
+                # A soak is not repeated blindly: its failure is a decision (rolled back).
+                _pod(c["roll_out"](version=registered.output, **rollout_args), "1", "2Gi", retries=0)
+            with dsl.Elif(action == "resume", name="resume-rollout"):
+                _pod(c["roll_out"](version=checked.outputs["version"], **rollout_args), "1", "2Gi", retries=0)
+
+    return checkpoint_rollout

@@ -1,53 +1,43 @@
-"""Compile every pipeline to the YAML checked in beside it (upload that file in the Kubeflow UI).
+"""Compile the checkpoint pipeline for your runtime image (upload the file in the Kubeflow UI).
 
-    python -m kfp_pipelines.compile            # rewrite the YAML files
-    python -m kfp_pipelines.compile --check    # exit 1 if one is stale (what the tests check)
+    python -m kfp_pipelines.compile --image REGISTRY/cube-serve:TAG [--out FILE]
+
+The image is the one built from k8s/Dockerfile and pushed where the cluster can pull it; every
+step runs in it. There is no default: a pipeline naming an image that does not exist would
+start and then hang in ImagePullBackOff.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 from kfp import compiler
 
-from kfp_pipelines import checkpoint_rollout
+from kfp_pipelines.checkpoint_rollout import PIPELINE_NAME, build
 
-HERE = Path(__file__).parent
-# (pipeline function, compiled file) for each pipeline of this package.
-PIPELINES = [(checkpoint_rollout.checkpoint_rollout, HERE / "checkpoint_rollout.yaml")]
+DEFAULT_OUT = Path("outputs") / f"{PIPELINE_NAME}.yaml"
 
 
-def compile_to(pipeline, path: Path) -> None:
-    compiler.Compiler().compile(pipeline, str(path))
-
-
-def stale() -> list[Path]:
-    """Checked-in YAML files that differ from a fresh compile."""
-    out = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for pipeline, path in PIPELINES:
-            fresh = Path(tmp) / path.name
-            compile_to(pipeline, fresh)
-            if not path.exists() or path.read_text() != fresh.read_text():
-                out.append(path)
-    return out
+def compile_to(image: str, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiler.Compiler().compile(build(image), str(path))
+    return path
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only report stale YAML files")
+    parser.add_argument("--image", required=True, help="the cube-serve runtime image every step runs")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="where to write the YAML (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.check:
-        bad = stale()
-        for path in bad:
-            print(f"{path} is stale: run python -m kfp_pipelines.compile", file=sys.stderr)
-        return 1 if bad else 0
-    for pipeline, path in PIPELINES:
-        compile_to(pipeline, path)
-        print(f"wrote {path}")
+    try:
+        path = compile_to(args.image, args.out)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: upload it in the Kubeflow UI (Pipelines > Upload pipeline)")
     return 0
 
 

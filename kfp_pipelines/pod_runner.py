@@ -307,12 +307,25 @@ class PodRunner:
             artifacts[name] = {"artifacts": [{"name": name, "type": definition["artifactType"],
                                               "uri": str(local), "metadata": {}}]}
         executor_input = {
-            "inputs": {"parameterValues": params},
+            "inputs": {"parameterValues": _as_go_json(params)},
             "outputs": {"parameters": {n: {"outputFile": str(out / "parameters" / n)}
                                        for n in (outputs.get("parameters") or {})},
                         "artifacts": artifacts, "outputFile": str(out / "executor_output.json")},
         }
         return executor_input, paths
+
+
+def _as_go_json(value: Any) -> Any:
+    """Values as the KFP backend (Go, protojson) writes them into the executor input: a number is
+    a protobuf double, and a whole one is printed without a fraction (5, not 5.0), so an int
+    parameter arrives as an int, and so does a float parameter that is whole."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _as_go_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_go_json(v) for v in value]
+    return value
 
 
 class _UpstreamSkipped(Exception):

@@ -1,105 +1,152 @@
-"""Run the checkpoint pipeline on this machine with kfp.local: no cluster, every step a
-subprocess in this Python environment, the registry (sqlite) and the model store on disk.
+"""Run the checkpoint pipeline on this machine the way a Kubeflow cluster runs it (`make pipeline`).
 
-    python -m kfp_pipelines.run_local --checkpoint DIR --store DIR [--triton-url 127.0.0.1:8000]
+    python -m kfp_pipelines.run_local --checkpoint DIR_OR_URI [--state outputs/pipeline]
 
-Without --triton-url a tritonserver (explicit model control, 127.0.0.1, free ports) is started
-on the store for the roll-out and stopped at the end (its log: STORE-pipeline/tritonserver.log); the store's config.pbtxt keeps the
-served version, so `cubeserve`-style servers started on the store later serve the champion.
+It starts what a cluster would provide, each as its own process on 127.0.0.1, and stops them at
+the end: an S3 object store (`rclone serve s3`), the MLflow tracking server with the flags of
+k8s/mlflow/mlflow.yaml, and a tritonserver with explicit model control (the roll-out's "local"
+target). Their data stays in STATE (s3/, mlflow/), so the next run finds this run's champion.
+A checkpoint folder is first uploaded to the object store (s3://cube-serve/checkpoints/...), as
+a user would upload it; then the compiled pipeline (the same YAML the Kubeflow UI runs, with the
+image `cube-serve:local`, which here is this Python environment) runs with every step in its own
+empty folder (kfp_pipelines/pod_runner.py), credentials in the environment variables of the
+Secrets the pipeline names.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import sys
-import warnings
+from contextlib import ExitStack
 from pathlib import Path
 
+LOCAL_IMAGE = "cube-serve:local"
+BUCKET = "cube-serve"
+MODEL_STORE = f"s3://{BUCKET}/models/cube3d"
+PIPELINE_ROOT = f"s3://{BUCKET}/pipeline-root"
+DEFAULT_STATE = Path("outputs") / "pipeline"
 
-def run(checkpoint: str, store: str, registry_uri: str = "", triton_url: str = "", **params) -> dict:
-    """One pipeline run; returns the registry's versions afterwards. Raises RuntimeError when
-    a step fails (kfp.local logs the step's error)."""
-    from kfp import local
 
-    from cubeserve.registry import embedded_uri
-    from kfp_pipelines.checkpoint_rollout import checkpoint_rollout
+def upload_checkpoint(checkpoint: str) -> str:
+    """A local checkpoint folder uploaded to the object store (named after its content, so the
+    same folder is uploaded once); a URI is returned as it is."""
+    from cubeserve import storage
 
-    store_path = Path(store).resolve()
-    store_path.mkdir(parents=True, exist_ok=True)
-    # The registry and the step outputs (metrics, HTML report, one folder per run) live beside
-    # the store, not in it: a Triton model repository should hold models only.
-    state = state_dir(store_path)
-    registry_uri = registry_uri or embedded_uri(state / "registry")
-    # The steps name the runtime image, which SubprocessRunner ignores (and warns about).
-    warnings.filterwarnings("ignore", message="You may be attemping to run a task that uses custom")
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(state / "runs"),
-               raise_on_error=True)
-    server = None
-    if not triton_url:
-        server = start_server(store_path)
-        triton_url = server.http_url
-    try:
-        checkpoint_rollout(checkpoint=str(Path(checkpoint).resolve()), store=str(store_path),
-                                  registry_uri=registry_uri, triton_url=triton_url, **params)
-    finally:
-        if server is not None:
-            server.stop()
-    return summary(registry_uri)
+    if "://" in checkpoint:
+        return checkpoint
+    root = Path(checkpoint).resolve()
+    if not root.is_dir():
+        raise SystemExit(f"--checkpoint {checkpoint}: no such directory")
+    digest = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        digest.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
+    uri = f"s3://{BUCKET}/checkpoints/{root.name}-{digest.hexdigest()[:12]}/"
+    if not storage.exists(uri):
+        storage.upload_dir(root, uri)
+    return uri
+
+
+class LocalCluster:
+    """The object store, the MLflow server and a tritonserver, started for one or more runs."""
+
+    def __init__(self, state: str | Path, triton_url: str = ""):
+        self.state = Path(state).resolve()
+        self.triton_url = triton_url
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "LocalCluster":
+        from cubeserve.serving.local_triton import LocalTriton, free_port
+        from kfp_pipelines.local_services import MlflowServer, ObjectStore
+
+        self.state.mkdir(parents=True, exist_ok=True)
+        try:
+            self.store = self._stack.enter_context(ObjectStore.persistent(self.state / "s3"))
+            # This process uploads checkpoints and artifacts as the KFP launcher does: with the
+            # store's credentials in its environment until the cluster stops.
+            saved = {k: os.environ.get(k) for k in self.store.env()}
+            self._stack.callback(lambda: [os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                                          for k, v in saved.items()])
+            os.environ.update(self.store.env())
+            if not self.store.client().list_buckets().get("Buckets"):
+                self.store.create_bucket(BUCKET)
+            self.mlflow = self._stack.enter_context(MlflowServer(self.state / "mlflow"))
+            if not self.triton_url:
+                serving = self.state / "serving"  # the serving node's own disk: empty, models come by API
+                serving.mkdir(exist_ok=True)
+                server = LocalTriton(serving, free_port(), free_port(), free_port(),
+                                     log_path=self.state / "tritonserver.log",
+                                     extra_args=("--model-control-mode=explicit",))
+                self.triton_url = self._stack.enter_context(server).http_url
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def runner(self, compiled: Path, secrets: dict | None = None):
+        """A PodRunner for this cluster. `secrets` replaces Secrets of the namespace by name
+        (None: the Secret does not exist)."""
+        from cubeserve import storage
+        from kfp_pipelines.pod_runner import PodRunner
+
+        namespace = {"cube-serve-s3": self.store.env(), **(secrets or {})}
+        return PodRunner(compiled, images={LOCAL_IMAGE: Path(sys.executable).parent},
+                         secrets={k: v for k, v in namespace.items() if v is not None},
+                         pipeline_root=PIPELINE_ROOT, workdir=self.state / "pods", upload=storage.upload_path)
+
+    def run(self, checkpoint: str, secrets: dict | None = None, **params):
+        """One pipeline run; returns the pod runner's RunResult."""
+        from kfp_pipelines.compile import compile_to
+
+        compiled = compile_to(LOCAL_IMAGE, self.state / "pipeline.yaml")
+        arguments = {"checkpoint": upload_checkpoint(checkpoint), "model_store": MODEL_STORE,
+                     "registry_uri": self.mlflow.uri, "target": "local", "triton_url": self.triton_url,
+                     "instance_kind": "cpu", "soak_seconds": 0.0, **params}
+        return self.runner(compiled, secrets).run(arguments)
 
 
 def summary(registry_uri: str, model_name: str = "cube3d") -> dict:
     """The registry after a run: every version with its aliases and roll-out decision."""
-    from cubeserve.registry import ModelRegistry
+    from cubeserve.registry import open_registry
 
-    versions = ModelRegistry(registry_uri, model_name).versions()
+    versions = open_registry(registry_uri, model_name).versions()
     return {"registry_uri": registry_uri, "versions": [
-        {"version": v.version, "aliases": list(v.aliases), "triton_version": v.tags.get("triton_version"),
-         "sha256": v.tags.get("sha256"), "decision": v.tags.get("rollout.decision"),
-         "reason": v.tags.get("rollout.reason")} for v in versions]}
-
-
-def state_dir(store: Path) -> Path:
-    """`<store>-pipeline/`: registry/mlflow.db, runs/<run>/<step>/..., tritonserver.log."""
-    return store.parent / f"{store.name}-pipeline"
-
-
-def start_server(store: Path):
-    """A local tritonserver on the store, serving what its config.pbtxt names (if anything)."""
-    from cubeserve.serving.local_triton import LocalTriton, free_port
-
-    loaded = [f"--load-model={m}" for m in ("cube3d_stream", "cube3d")
-              if (store / m / "config.pbtxt").exists() and any(p.name.isdigit() for p in (store / m).iterdir())]
-    server = LocalTriton(store, free_port(), free_port(), free_port(), log_path=state_dir(store) / "tritonserver.log",
-                         extra_args=("--model-control-mode=explicit", *loaded))
-    return server.start()
+        {"version": v.version, "aliases": list(v.aliases), "source": v.source,
+         "triton_version": v.tags.get("triton_version"), "sha256": v.tags.get("sha256"),
+         "decision": v.tags.get("rollout.decision"), "reason": v.tags.get("rollout.reason")} for v in versions]}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint directory (safetensors + config)")
-    parser.add_argument("--store", required=True, help="model store: a Triton model repository")
-    parser.add_argument("--registry-uri", default="",
-                        help="MLflow URI (default: sqlite in STORE-pipeline/registry)")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint folder or s3:// URI")
+    parser.add_argument("--state", default=str(DEFAULT_STATE),
+                        help="the object store's and the registry's data (default: %(default)s)")
     parser.add_argument("--triton-url", default="", help="REST host:port of a server with explicit model "
-                                                         "control (default: start one on the store)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--resolution", type=int, default=5)
-    parser.add_argument("--max-time-per-output-token-s", type=float, default=1.0)
-    parser.add_argument("--min-token-agreement", type=float, default=0.0)
-    parser.add_argument("--heldout-shapes", type=int, default=0,
-                        help="score generations against this many held-out procedural shapes (demo benchmark)")
-    parser.add_argument("--min-shape-iou", type=float, default=0.0, help="gate on that benchmark's mean IoU")
-    parser.add_argument("--canary-percent", type=int, default=10)
-    parser.add_argument("--soak-requests", type=int, default=2)
+                                                         "control (default: start one)")
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
+                        help="a pipeline parameter, e.g. --param min_token_agreement=0.9 (repeatable)")
     args = parser.parse_args(argv)
-    outputs = run(args.checkpoint, args.store, args.registry_uri, args.triton_url, device=args.device,
-                  resolution=args.resolution, max_time_per_output_token_s=args.max_time_per_output_token_s,
-                  min_token_agreement=args.min_token_agreement, heldout_shapes=args.heldout_shapes,
-                  min_shape_iou=args.min_shape_iou, canary_percent=args.canary_percent,
-                  soak_requests=args.soak_requests)
-    print(json.dumps(outputs, indent=2))
-    return 0
+    params = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--param takes NAME=VALUE, got {item!r}")
+        try:
+            params[name] = json.loads(value)
+        except json.JSONDecodeError:
+            params[name] = value
+    with LocalCluster(args.state, args.triton_url) as cluster:
+        result = cluster.run(args.checkpoint, **params)
+        report = {"run_id": result.run_id, "state": result.state, "error": result.error,
+                  "steps": {path: t.state for path, t in result.tasks.items()},
+                  **summary(cluster.mlflow.uri)}
+    print(json.dumps(report, indent=2))
+    return 0 if result.state == "SUCCEEDED" else 1
 
 
 if __name__ == "__main__":

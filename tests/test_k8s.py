@@ -286,7 +286,8 @@ def test_dockerfile_builds_the_runtime_the_manifests_expect():
         [deploy.HTTP_PORT, deploy.GRPC_PORT, deploy.METRICS_PORT]
     runs = " ".join(by("RUN"))
     assert '"torch==${TORCH_VERSION}"' in runs and "ARG" in dict(steps) and "TORCH_VERSION=2.13.0" in by("ARG")
-    assert 'pip install --no-cache-dir ".[gpu]"' in runs  # Warp: marching cubes on the GPU
+    # Warp (marching cubes on the GPU) and everything the pipeline's steps import
+    assert 'pip install --no-cache-dir ".[gpu,pipeline]"' in runs
     assert ["models/demo", f"./triton_models/{deploy.STREAM_MODEL}/1/weights"] in copies
     # The build context's filter keeps local weights out of the image.
     ignore = (REPO / "k8s" / "Dockerfile.dockerignore").read_text().split()

@@ -1,184 +1,338 @@
-"""The checkpoint pipeline (kfp_pipelines/checkpoint_rollout.py): one full kfp.local run of a
-good checkpoint against a real tritonserver (explicit model control) on a tmp model store,
-a second run of the same checkpoint, then every failure case on the component functions
-(a full kfp.local run takes ~40 s on 2 cores), checking that the champion keeps serving."""
+"""The checkpoint pipeline as a Kubeflow cluster runs it (kfp_pipelines/run_local.py's LocalCluster):
+the compiled YAML, every step a pod with its own empty folder (kfp_pipelines/pod_runner.py), an S3
+server (rclone) holding checkpoints, versions and artifacts, the MLflow server of k8s/mlflow over
+HTTP, and a tritonserver with explicit model control as the roll-out's local target.
+
+The runs of one module share that cluster, in order: the first checkpoint becomes version 1 and
+champion; the same checkpoint again does nothing; another stops at the gate against the champion;
+bad input of every kind fails with a message naming it, with the champion serving throughout; a
+run that fails after registering takes its challenger out, and running it again resumes the
+roll-out. Then the KServe target against the cluster stand-in of the rollout tests, and the
+compiled pipeline's settings (image, caching, retries, resources, GPU, secrets, descriptions).
+"""
 
 from __future__ import annotations
 
+import ast
 import inspect
-import shutil
-import typing
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
+import yaml
 
-from cubeserve.checkpoint import GPT_FILE, CheckpointError, write_random_weights
-from cubeserve.config import TINY, write_yaml
+from cubeserve import storage
+from cubeserve.checkpoint import GPT_FILE, write_random_weights
 from cubeserve.pipeline import serving, steps
-from cubeserve.registry import CHALLENGER, CHAMPION, ModelRegistry, embedded_uri
-from cubeserve.serving.local_triton import LocalTriton, free_port
+from cubeserve.registry import CHALLENGER, CHAMPION, open_registry
 from kfp_pipelines import checkpoint_rollout as pipeline_module
-from kfp_pipelines import compile as compile_module
-from kfp_pipelines import run_local
+from kfp_pipelines.compile import compile_to
+from kfp_pipelines.pod_runner import FAILED, SUCCEEDED, load_pipeline
+from kfp_pipelines.run_local import MODEL_STORE, LocalCluster
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pipeline")
-    store = root / "store"
-    store.mkdir()
-    good = write_random_weights("tiny", root / "good", seed=0)
-    server = LocalTriton(store, free_port(), free_port(), free_port(), log_path=root / "tritonserver.log",
-                         extra_args=("--model-control-mode=explicit",))
-    with server:
-        yield {"root": root, "store": store, "good": good, "server": server,
-               "registry_uri": embedded_uri(root / "registry")}
+def cluster(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
-def champion(env):
-    """The good checkpoint through every step with kfp.local: version 1, served, champion."""
-    summary = run_local.run(str(env["good"]), str(env["store"]), env["registry_uri"], env["server"].http_url)
-    return summary
+def good(tmp_path_factory):
+    return write_random_weights("tiny", tmp_path_factory.mktemp("good"), seed=0)
 
 
-def registry(env) -> ModelRegistry:
-    return ModelRegistry(env["registry_uri"])
+@pytest.fixture(scope="module")
+def first_run(cluster, good):
+    return cluster.run(str(good))
 
 
-def assert_champion_still_serving(env):
-    reg = registry(env)
-    assert [v.version for v in reg.versions()] == ["1"]
-    assert reg.by_alias(CHAMPION).version == "1" and reg.by_alias(CHALLENGER) is None
-    assert serving.served_versions(env["server"].http_url) == [1]
+def registry(cluster):
+    return open_registry(cluster.mlflow.uri, "cube3d")
 
 
-def test_good_checkpoint_is_registered_served_and_champion(env, champion):
-    reg = registry(env)
-    (v,) = reg.versions()
-    validation = steps.validate_checkpoint(str(env["good"]))
+def steps_in(result, state: str) -> set[str]:
+    return {path.rsplit("/", 1)[-1] for path, t in result.tasks.items() if t.state == state}
+
+
+def assert_champion_serving(cluster, version: str):
+    reg = registry(cluster)
+    champion = reg.by_alias(CHAMPION)
+    assert champion is not None and champion.version == version
+    assert reg.by_alias(CHALLENGER) is None
+    assert serving.served_versions(cluster.triton_url) == [champion.triton_version]
+
+
+def test_first_checkpoint_is_packaged_registered_served_and_champion(cluster, first_run, good):
+    assert first_run.state == SUCCEEDED, first_run.error
+    assert {"validate", "evaluate-2", "gate", "package", "register", "roll-out", "finish"} <= steps_in(first_run, SUCCEEDED)
+    assert not first_run.ran("evaluate")  # the GPU branch: device is cpu
+    checked = first_run.task("validate").outputs
+    assert checked["action"] == "new"
+    (v,) = registry(cluster).versions()
     assert v.version == "1" and v.aliases == (CHAMPION,)
-    assert v.tags["sha256"] == validation["sha256"] and v.tags["triton_version"] == "1"
-    assert v.tags["source_uri"] == str(env["good"].resolve()) and v.tags["pipeline_run_id"]
-    assert v.tags["config_name"] == "tiny" and v.tags["checkpoint_version"] == "v0.1-style"
-    assert float(v.tags["metric.valid_share"]) == 1.0 and float(v.tags["metric.time_per_output_token_s"]) > 0
-    assert v.tags["rollout.decision"] == "promoted" and v.tags["rollout.reason"]
-    assert Path(v.source) == env["store"].resolve() / "cube3d_stream" / "1"
-    assert (env["store"] / "cube3d" / "1" / "model.py").is_file()
-    assert (env["store"] / "cube3d_stream" / "1" / "weights" / GPT_FILE).is_file()
-    assert serving.served_versions(env["server"].http_url) == [1]
-    # MLflow's own URI scheme resolves the alias to the served version.
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking_uri=env["registry_uri"], registry_uri=env["registry_uri"])
-    assert str(client.get_model_version_by_alias("cube3d", "champion").version) == "1"
-    # The HTML report carries the previews inline.
-    reports = [p for p in run_local.state_dir(env["store"]).glob("runs/*/evaluate/report") if p.is_file()]
-    assert reports and "data:image/png;base64," in reports[0].read_text()
-
-
-def test_same_checkpoint_again_is_detected_not_duplicated(env, champion):
-    summary = run_local.run(str(env["good"]), str(env["store"]), env["registry_uri"], env["server"].http_url)
-    assert [v["version"] for v in summary["versions"]] == ["1"]
-    assert steps.store_versions(env["store"]) == [1]
-    assert_champion_still_serving(env)
+    # Lineage: the object-store URI of version 1 as the source, in the pipeline run's MLflow run.
+    assert v.source == f"{MODEL_STORE}/1/" and v.run_id == checked["mlflow_run_id"]
+    assert v.tags["sha256"] == checked["validation"]["sha256"] and v.tags["triton_version"] == "1"
+    assert v.tags["pipeline_run_id"] == first_run.run_id and v.tags["rollout.decision"] == "promoted"
+    assert v.tags["source_uri"].startswith("s3://cube-serve/checkpoints/")
+    run = registry(cluster).get_run(v.run_id)
+    assert run.pipeline_run_id == first_run.run_id and run.status == "FINISHED"
+    assert run.metrics["valid_share"] == 1.0 and run.params["action"] == "new"
+    assert "data:image/png;base64," in registry(cluster).read_artifact_text(v.run_id, "evaluation.html")
+    # Version 1 in the layout KServe reads, with its manifest beside it; the HTML report in the
+    # pipeline root, as the launcher uploads it.
+    assert steps.store_versions(MODEL_STORE).keys() == {1}
+    assert storage.exists(f"{MODEL_STORE}/1/cube3d_stream/1/weights/{GPT_FILE}")
+    assert storage.exists(f"{MODEL_STORE}/1/cube3d/1/model.py")
+    report = first_run.task("evaluate-2").artifacts["report"]
+    assert report.startswith("s3://cube-serve/pipeline-root/") and "data:image/png" in storage.read_text(report)
+    assert_champion_serving(cluster, "1")
 
 
-def validate_component(env, checkpoint):
-    return pipeline_module.validate.python_func(checkpoint=str(checkpoint), registry_uri=env["registry_uri"],
-                                                model_name="cube3d")
+def test_same_checkpoint_again_does_nothing(cluster, first_run, good):
+    again = cluster.run(str(good))
+    assert again.state == SUCCEEDED, again.error
+    assert again.task("validate").outputs["action"] == "done"
+    assert not again.ran("package") and not again.ran("roll-out") and again.ran("finish")
+    assert [v.version for v in registry(cluster).versions()] == ["1"]
+    assert steps.store_versions(MODEL_STORE).keys() == {1}
+    assert_champion_serving(cluster, "1")
 
 
-def test_pickled_file_stops_at_validate(env, champion, tmp_path):
-    bad = Path(shutil.copytree(env["good"], tmp_path / "pickled"))
-    torch.save({"w": torch.zeros(2)}, bad / GPT_FILE)  # a pickle behind a safetensors name
-    with pytest.raises(CheckpointError, match=f"^{GPT_FILE}: .*pickled"):
-        validate_component(env, bad)
-    (bad / GPT_FILE).unlink()
-    shutil.copy2(env["good"] / GPT_FILE, bad / GPT_FILE)
-    torch.save({"w": torch.zeros(2)}, bad / "extra.bin")
-    with pytest.raises(CheckpointError, match="^extra.bin: pickled"):
-        validate_component(env, bad)
-    assert_champion_still_serving(env)
+def test_another_checkpoint_is_compared_with_the_champion_and_stopped_at_the_gate(cluster, first_run, tmp_path):
+    other = write_random_weights("tiny", tmp_path / "other", seed=1)
+    result = cluster.run(str(other), min_token_agreement=0.99)
+    assert result.state == FAILED and "token_agreement" in result.task("gate").error
+    metrics = result.task("evaluate-2").outputs["Output"]
+    assert 0.0 <= metrics["token_agreement"] < 0.99  # measured against version 1's weights
+    assert not result.ran("package") and result.task("finish").state == SUCCEEDED
+    assert [v.version for v in registry(cluster).versions()] == ["1"]
+    assert steps.store_versions(MODEL_STORE).keys() == {1}
+    assert_champion_serving(cluster, "1")
 
 
-def test_truncated_file_stops_at_validate(env, champion, tmp_path):
-    bad = Path(shutil.copytree(env["good"], tmp_path / "truncated"))
-    path = bad / "clip" / "model.safetensors"
-    path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match="^clip/model.safetensors: truncated"):
-        validate_component(env, bad)
-    assert_champion_still_serving(env)
+@pytest.mark.parametrize("case", ["bad uri", "no secret", "wrong key", "registry unreachable", "bad device"])
+def test_bad_input_fails_naming_it_and_the_champion_keeps_serving(cluster, first_run, good, case):
+    params, secrets, expect = {}, None, ""
+    if case == "bad uri":
+        params["checkpoint"] = "s3://cube-serve/checkpoints/no-such-run/"
+        expect = "s3://cube-serve/checkpoints/no-such-run/"
+    elif case == "no secret":
+        secrets, expect = {"cube-serve-s3": None}, "Secret 'cube-serve-s3' not found"
+    elif case == "wrong key":
+        secrets = {"cube-serve-s3": {**cluster.store.env(), "AWS_SECRET_ACCESS_KEY": "not-the-key"}}
+        expect = "AWS_SECRET_ACCESS_KEY"
+    elif case == "registry unreachable":
+        params["registry_uri"], expect = "http://127.0.0.1:9", "http://127.0.0.1:9"
+    else:
+        params["device"], expect = "gpu", "device must be one of cpu, cuda, got 'gpu'"
+    result = cluster.run(params.pop("checkpoint", str(good)), secrets=secrets, **params)
+    assert result.state == FAILED and result.task("validate").state == FAILED
+    assert expect in result.task("validate").error, result.task("validate").error
+    assert not result.ran("evaluate-2") and not result.ran("package")
+    assert [v.version for v in registry(cluster).versions()] == ["1"]
+    assert_champion_serving(cluster, "1")
 
 
-def test_v05_weights_with_v01_config_stop_at_validate(env, champion, tmp_path):
-    bad = write_random_weights("tiny-bbox", tmp_path / "mismatch", seed=0)
-    write_yaml(TINY, bad / "config.yaml")
-    with pytest.raises(CheckpointError, match="version mismatch: the weights are v0.5-style"):
-        validate_component(env, bad)
-    assert_champion_still_serving(env)
+def test_a_run_failing_after_register_clears_its_challenger_and_a_rerun_resumes(cluster, first_run, tmp_path):
+    other = write_random_weights("tiny", tmp_path / "resumed", seed=4)
+    # The roll-out cannot reach its server: the step fails after version 2 was registered.
+    broken = cluster.run(str(other), triton_url="127.0.0.1:9")
+    assert broken.state == FAILED and broken.task("register").state == SUCCEEDED
+    assert broken.task("roll-out").state == FAILED and broken.task("finish").state == SUCCEEDED
+    v2 = registry(cluster).get("2")
+    assert v2.tags["rollout.decision"] == "failed" and "roll-out" in v2.tags["rollout.reason"]
+    assert registry(cluster).get_run(v2.run_id).status == "FAILED"
+    assert_champion_serving(cluster, "1")  # the exit handler cleared the challenger
+    # The same checkpoint again resumes the roll-out of version 2 (no second package or version).
+    resumed = cluster.run(str(other))
+    assert resumed.state == SUCCEEDED, resumed.error
+    assert resumed.task("validate").outputs["action"] == "resume" and resumed.task("validate").outputs["version"] == "2"
+    assert not resumed.ran("package") and resumed.ran("roll-out-2")
+    assert resumed.task("roll-out-2").outputs["Output"]["decision"] == "promoted"
+    assert [v.version for v in registry(cluster).versions()] == ["1", "2"]
+    assert steps.store_versions(MODEL_STORE).keys() == {1, 2}
+    assert_champion_serving(cluster, "2")
 
 
-def test_failing_gate_stops_before_packaging(env, champion, tmp_path):
-    challenger = write_random_weights("tiny", tmp_path / "challenger", seed=1)
-    ev = steps.evaluate_checkpoint(str(challenger), ["a red chair"], resolution=4,
-                                   champion_weights=str(env["store"] / "cube3d_stream" / "1" / "weights"))
-    metrics = ev["metrics"]
-    assert 0.0 <= metrics["token_agreement"] < 1.0  # other random weights, other tokens
-    with pytest.raises(steps.GateFailed, match="token_agreement"):
-        pipeline_module.gate.python_func(existing_version="", metrics=metrics, min_valid_share=1.0,
-                                         min_watertight_share=0.0, min_token_agreement=0.99,
-                                         max_time_per_output_token_s=1.0, min_shape_iou=0.0)
-    with pytest.raises(steps.GateFailed, match="time_per_output_token_s"):
-        steps.gate(metrics, 1.0, 0.0, 0.0, max_time_per_output_token_s=1e-9)
-    assert_champion_still_serving(env)
-    assert steps.store_versions(env["store"]) == [1]
+def test_a_canary_that_fails_its_soak_on_its_own_is_rolled_back(cluster, first_run, tmp_path):
+    """Version 3 packaged for GPU instances cannot load on the CPU-only local server: the canary
+    fails by itself (nothing forced), is unloaded, and the champion keeps serving."""
+    champion = registry(cluster).by_alias(CHAMPION).version
+    weights = write_random_weights("tiny", tmp_path / "gpu-only", seed=3)
+    result = cluster.run(str(weights), instance_kind="gpu")
+    assert result.state == SUCCEEDED, result.error  # a rollback is a decision, not a failure
+    decision = result.task("roll-out").outputs["Output"]
+    assert decision["decision"] == "rolled_back" and "failed to load" in decision["reason"]
+    new = registry(cluster).versions()[-1]
+    assert new.tags["rollout.decision"] == "rolled_back" and CHAMPION not in new.aliases
+    assert_champion_serving(cluster, champion)
 
 
-def test_compiled_yaml_is_current():
-    assert compile_module.stale() == [], "run: python -m kfp_pipelines.compile"
+# -- the KServe target, against the cluster stand-in of tests/test_rollout.py -------------------------
+
+def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_becomes_ready(
+        cluster, first_run, tmp_path, monkeypatch):
+    from test_rollout import StubApiServer, find, raw, reconciled, render
+
+    isvc_path = "/apis/serving.kserve.io/v1beta1/namespaces/models/inferenceservices/cube3d"
+    cm_path = "/api/v1/namespaces/models/configmaps/cube3d-versions"
+    configmap = find(render("raw-canary"), "ConfigMap")
+    configmap["metadata"].update(namespace="models", resourceVersion="7")
+    configmap["data"] = {"baseUri": MODEL_STORE, "versions": "1"}
+    isvc = raw(with_canary=False)
+    isvc["spec"]["predictor"]["model"]["storageUri"] = f"{MODEL_STORE}/1/"
+    # KServe's controller, as far as the roll-out reads it: it observes each new generation and
+    # reports the canary's Deployment, which never becomes ready here.
+    stub = StubApiServer({isvc_path: reconciled(isvc), cm_path: configmap},
+                         on_patch=lambda path, obj: reconciled(obj, ready=False) if path == isvc_path else obj)
+    try:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
+            "clusters": [{"name": "stand-in", "cluster": {"server": stub.url}}],
+            "users": [{"name": "stand-in", "user": {"token": "not-a-secret"}}],
+            "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "stand-in",
+                                                          "namespace": "models"}}]}))
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        reg = registry(cluster)
+        candidate = reg.versions()[-1]
+        # The package step lists the version where `cubeserve rollout` reads versions.
+        assert serving.record_version("models", candidate.triton_version, MODEL_STORE).startswith("versions: 1 ")
+        assert stub.objects[cm_path]["data"]["versions"] == f"1 {candidate.triton_version}"
+        assert "listed already" in serving.record_version("models", candidate.triton_version, MODEL_STORE)
+        with pytest.raises(ValueError, match="baseUri is s3://cube-serve/models/cube3d, but the pipeline's "
+                                             "model_store is s3://elsewhere/models"):
+            serving.record_version("models", candidate.triton_version, "s3://elsewhere/models")
+        champion = reg.by_alias(CHAMPION).version
+        result = serving.roll_out("kserve", cluster.mlflow.uri, "cube3d", candidate.version, 10, 0, 0.0, ["a cup"],
+                                  namespace="models", isvc="cube3d")
+        assert result["decision"] == "rolled_back" and "not ready" in result["reason"]
+        patches = [body for method, path, _, body in stub.requests if method == "PATCH" and path == isvc_path]
+        assert patches[0]["spec"]["canary"][0]["predictor"]["model"]["storageUri"] == \
+            f"{MODEL_STORE}/{candidate.triton_version}/"
+        assert "canary" not in stub.objects[isvc_path]["spec"]  # rolled back: the canary is gone
+        assert reg.by_alias(CHAMPION).version == champion and reg.by_alias(CHALLENGER) is None
+    finally:
+        stub.close()
 
 
-def test_every_component_input_and_output_is_typed():
-    components = [pipeline_module.validate, pipeline_module.evaluate, pipeline_module.gate,
-                  pipeline_module.package, pipeline_module.register, pipeline_module.roll_out]
-    for component in components:
-        func = component.python_func
+# -- the compiled pipeline ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    path = compile_to("ghcr.io/example/cube-serve:1.2.3", tmp_path_factory.mktemp("compiled") / "p.yaml")
+    return load_pipeline(path)
+
+
+def all_tasks(spec):
+    for comp in [spec["root"], *spec["components"].values()]:
+        for name, task in ((comp.get("dag") or {}).get("tasks") or {}).items():
+            yield name, task, spec["components"][task["componentRef"]["name"]]
+
+
+def test_the_image_is_required_and_never_a_placeholder():
+    for bad in ("", "registry.example.com/cube-serve:0.1.0"):
+        with pytest.raises(ValueError, match="image must name the cube-serve runtime image"):
+            pipeline_module.build(bad)
+    out = subprocess.run([sys.executable, "-m", "kfp_pipelines.compile"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--image" in out.stderr
+
+
+def test_every_step_runs_the_image_with_nothing_to_install(compiled):
+    spec, _ = compiled
+    for name, executor in spec["deploymentSpec"]["executors"].items():
+        container = executor["container"]
+        assert container["image"] == "ghcr.io/example/cube-serve:1.2.3", name
+        command = " ".join(container["command"])
+        assert "pip install" not in command and "kfp.dsl.executor_main" in command, name
+
+
+def test_caching_retries_resources_gpu_and_secrets(compiled):
+    spec, platform = compiled
+    retried = {"validate": 2, "evaluate": 2, "gate": 0, "package": 2, "register": 2, "roll-out": 0, "finish": 2}
+    executors = spec["deploymentSpec"]["executors"]
+    secret_uses = platform["deploymentSpec"]["executors"]
+    seen = set()
+    for name, task, comp in all_tasks(spec):
+        if "executorLabel" not in comp:
+            continue
+        step = comp["executorLabel"].removeprefix("exec-").rstrip("-0123456789") or name
+        seen.add(step)
+        assert task["cachingOptions"].get("enableCache") is not True, name  # caching off everywhere
+        assert int((task.get("retryPolicy") or {}).get("maxRetryCount", 0)) == retried[step], name
+        resources = executors[comp["executorLabel"]]["container"]["resources"]
+        assert resources["resourceCpuRequest"] and resources["resourceMemoryRequest"], name
+        uses = {u["secretName"]: u for u in secret_uses[comp["executorLabel"]]["secretAsEnv"]}
+        assert not uses["cube-serve-s3"].get("optional") and uses["cube-serve-mlflow"]["optional"]
+        assert {k["envVar"] for k in uses["cube-serve-s3"]["keyToEnv"]} == set(pipeline_module.S3_SECRET_KEYS)
+    assert seen == set(retried)
+    # The evaluation on the "cuda" branch asks for one GPU; the CPU branch asks for none.
+    gpu = [executors[c["executorLabel"]]["container"]["resources"].get("accelerator")
+           for _, _, c in all_tasks(spec) if c.get("executorLabel", "").startswith("exec-evaluate")]
+    assert sorted(map(str, gpu)) == sorted(["None", str({"count": "1", "resourceCount": "1",
+                                                         "resourceType": "nvidia.com/gpu", "type": "nvidia.com/gpu"})])
+
+
+def test_every_pipeline_parameter_is_described(compiled):
+    spec, _ = compiled
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {"checkpoint", "model_store", "registry_uri", "instance_kind", "device", "target"} <= set(params)
+    for name, definition in params.items():
+        assert len(definition.get("description", "")) > 10, name
+
+
+def test_every_step_has_typed_inputs_and_outputs():
+    import typing
+
+    for func in pipeline_module.STEPS:
         hints = typing.get_type_hints(func)
         for name in inspect.signature(func).parameters:
-            assert name in hints, f"{component.name}: input {name} has no type"
-        assert "return" in hints and hints["return"] is not None, f"{component.name}: untyped output"
-        spec = component.component_spec
-        for io in list((spec.inputs or {}).values()) + list((spec.outputs or {}).values()):
-            assert io.type and io.type != "Any", f"{component.name}: untyped {io}"
+            assert name in hints, f"{func.__name__}: input {name} has no type"
+        assert "return" in hints and hints["return"] is not None, f"{func.__name__}: untyped output"
 
 
-def test_canary_that_is_rolled_back_leaves_the_champion_serving(env, champion, tmp_path):
-    """Version 2 is loaded next to version 1 (canary), then unloaded again (rollback): the
-    decision is tagged, the champion alias and the served version stay at 1."""
-    challenger = write_random_weights("tiny", tmp_path / "canary", seed=2)
-    validation = steps.validate_checkpoint(str(challenger))
-    n = steps.package(str(challenger), str(env["store"]), validation["files_sha256"])
-    version = steps.register(env["registry_uri"], "cube3d", str(env["store"]), n, validation,
-                             {"valid_share": 1.0}, str(challenger), "test-run")
-    assert registry(env).by_alias(CHALLENGER).version == version == "2" and n == 2
-    result = serving.roll_out("local", env["registry_uri"], "cube3d", version, 10, 1, 0.0, ["a cup"],
-                              triton_url=env["server"].http_url, store=str(env["store"]), force_rollback=True)
-    assert result["decision"] == "rolled_back"
-    v2 = registry(env).get("2")
-    assert v2.tags["rollout.decision"] == "rolled_back" and "serving version 1 again" in v2.tags["rollout.reason"]
-    assert registry(env).by_alias(CHAMPION).version == "1" and registry(env).by_alias(CHALLENGER) is None
-    assert serving.served_versions(env["server"].http_url) == [1]
-    assert "specific { versions: [1] }" in (env["store"] / "cube3d" / "config.pbtxt").read_text()
+def _imported_modules() -> set[str]:
+    """Every module the steps import, including the imports inside functions of the cubeserve
+    modules they call (imports are lazy there, so importing a module alone proves little)."""
+    names = set()
+    sources = [inspect.getsource(f) for f in pipeline_module.STEPS]
+    for module in ("cubeserve/pipeline/steps.py", "cubeserve/pipeline/serving.py", "cubeserve/registry.py",
+                   "cubeserve/storage.py", "cubeserve/rollout.py", "cubeserve/serving/repository.py"):
+        sources.append((REPO / module).read_text())
+    for source in sources:
+        for node in ast.walk(ast.parse(inspect.cleandoc(source) if source.startswith(" ") else source)):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+    return {n for n in names if n != "__future__"}
 
 
-def test_object_store_uri_is_fetched_once_and_validated_like_a_directory(env):
-    """Any fsspec filesystem serves as the object store; file:// runs here without credentials."""
-    uri = Path(env["good"]).resolve().as_uri()
-    local = steps.validate_checkpoint(str(env["good"]))
-    remote = steps.validate_checkpoint(uri)
-    assert remote["sha256"] == local["sha256"] and remote["files_sha256"] == local["files_sha256"]
-    assert steps.local_checkpoint(uri) == steps.local_checkpoint(uri) != str(env["good"])
-    with pytest.raises(CheckpointError, match="no such directory"):
-        steps.validate_checkpoint(uri + "-missing")
+def test_the_images_install_line_provides_every_module_the_steps_import(tmp_path):
+    """A fresh virtual environment with exactly the Dockerfile's install lines (torch, then the
+    package with its extras) imports every module that a step, or what it calls, imports."""
+    dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
+    install = [line.split("pip install --no-cache-dir", 1)[1].split("&&")[0].strip().rstrip("\\").strip()
+               for line in dockerfile.splitlines() if "pip install --no-cache-dir" in line]
+    assert install[0] == '"torch==${TORCH_VERSION}"' and install[1] == '".[gpu,pipeline]"'
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # torch as the image pins it (this machine's index gives the CPU wheel), then the package line.
+    subprocess.run(pip + ["torch==2.13.0"], check=True, timeout=900)
+    subprocess.run(pip + [f"{REPO}[gpu,pipeline]"], check=True, timeout=900)
+    modules = sorted(_imported_modules())
+    check = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
+    out = subprocess.run([str(py), "-c", check, *modules], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    # kfp's executor runs each step: it must be there without a pip install at start.
+    assert subprocess.run([str(py), "-c", "import kfp.dsl.executor_main"], cwd=tmp_path).returncode == 0
+    assert json.loads(subprocess.run([str(py), "-c", "import json, numpy; print(json.dumps(numpy.__version__))"],
+                                     capture_output=True, text=True, cwd=tmp_path).stdout).startswith("1.")

@@ -436,10 +436,11 @@ def test_cli_ab(monkeypatch, capsys):
 # -- the thin client over HTTP, against a stub API server on 127.0.0.1 ---------------------------------
 
 class StubApiServer:
-    """Answers the three calls `Cluster` makes (GET and PATCH of a namespaced custom object, GET
-    of a ConfigMap) from objects in memory, as the API server does for a merge patch."""
+    """Answers the calls `Cluster` makes (GET and PATCH of a namespaced custom object or of a
+    ConfigMap) from objects in memory, as the API server does for a merge patch. `on_patch(path,
+    stored)` returns the object as the controller leaves it afterwards (e.g. `reconciled`)."""
 
-    def __init__(self, objects: dict):
+    def __init__(self, objects: dict, on_patch=None):
         import http.server
         import json
         import threading
@@ -470,7 +471,8 @@ class StubApiServer:
                 current = stub.objects[self.path]
                 if body.get("metadata", {}).get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
                     return self._send(409, {"kind": "Status", "code": 409, "reason": "Conflict"})
-                stub.objects[self.path] = apply(current, r.Plan("", body))
+                stored = apply(current, r.Plan("", body))
+                stub.objects[self.path] = on_patch(self.path, stored) if on_patch else stored
                 self._send(200, stub.objects[self.path])
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -19,12 +19,11 @@ from pathlib import Path
 
 from cubeserve.checkpoint import (PICKLE_SUFFIXES, CheckpointError, load_models, read_safetensors_header, sha256_file, validate_dir)
 from cubeserve.config import to_yaml_dict
-from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
+from cubeserve.deploy import STREAM_MODEL
 
 # The only files a checkpoint may hold: tensors as safetensors, configs and tokenizer files as
 # text. Anything else (a pickle above all) is refused by name before anything is read.
 ALLOWED_SUFFIXES = {".safetensors", ".yaml", ".yml", ".json", ".txt", ".model", ".md"}
-DEFAULT_PROMPTS = ("a red chair", "a wooden table", "a small boat")
 
 
 class GateFailed(ValueError):
@@ -33,24 +32,24 @@ class GateFailed(ValueError):
 
 # -- 1. validate -------------------------------------------------------------------------------
 
-def local_checkpoint(checkpoint: str) -> str:
-    """A local directory holding the checkpoint. An object-store URI (s3://, gs://, file://...:
-    any filesystem fsspec knows, with its package installed, e.g. s3fs or gcsfs) is copied once
-    into a cache directory named after the URI, so that every step of a run reads the same
-    files; a local path is returned as it is."""
+def fetch_checkpoint(checkpoint: str) -> str:
+    """A local directory holding the checkpoint. An object-store URI (s3://, file://; see
+    cubeserve.storage) is downloaded once into this pod's temporary directory; a local path is
+    returned as it is."""
     if "://" not in checkpoint:
         return checkpoint
     import tempfile
 
-    import fsspec
+    from cubeserve import storage
 
-    fs, path = fsspec.core.url_to_fs(checkpoint)
-    if not fs.isdir(path):
-        raise CheckpointError(f"{checkpoint}: no such directory in the object store")
     cache = Path(tempfile.gettempdir()) / f"cubeserve-checkpoint-{hashlib.sha256(checkpoint.encode()).hexdigest()[:16]}"
     if not cache.is_dir():
         partial = cache.with_name(cache.name + f".partial-{os.getpid()}")
-        fs.get(path.rstrip("/") + "/", str(partial), recursive=True)
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            storage.download_dir(checkpoint, partial)
+        except storage.StorageError as exc:
+            raise CheckpointError(str(exc)) from None
         partial.rename(cache)
     return str(cache)
 
@@ -84,7 +83,7 @@ def validate_checkpoint(checkpoint: str) -> dict:
 
     Raises CheckpointError naming the file for a pickle (by suffix or content), a truncated
     file, unexpected files, or weights that do not match the config (e.g. v0.5 with v0.1)."""
-    root = Path(local_checkpoint(checkpoint))
+    root = Path(fetch_checkpoint(checkpoint))
     if not root.is_dir():
         raise CheckpointError(f"{checkpoint}: not a directory")
     files = checkpoint_files(root)
@@ -119,6 +118,26 @@ def validate_checkpoint(checkpoint: str) -> dict:
 
 # -- 2. evaluate -------------------------------------------------------------------------------
 
+DEVICES = ("cpu", "cuda")
+
+
+def fetch_champion(registry) -> str:
+    """The champion's weights, downloaded from its packaged version into this pod's temporary
+    directory ("" when there is no champion yet)."""
+    import tempfile
+
+    from cubeserve import storage
+    from cubeserve.registry import CHAMPION
+
+    champion = registry.by_alias(CHAMPION)
+    if champion is None:
+        return ""
+    uri = storage.join(champion.source.rstrip("/"), STREAM_MODEL, str(champion.triton_version), "weights") + "/"
+    local = Path(tempfile.mkdtemp(prefix=f"champion-{champion.version}-"))
+    storage.download_dir(uri, local)
+    return str(local)
+
+
 def _token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Share of positions where two sets of token sequences agree (0 when the lengths differ)."""
     same = total = 0
@@ -144,7 +163,7 @@ def evaluate_checkpoint(checkpoint: str, prompts: list[str], resolution: int = 5
     from cubeserve.preview import render_preview
 
     torch.manual_seed(0)
-    engine = Engine.from_dir(local_checkpoint(checkpoint), device=device)
+    engine = Engine.from_dir(fetch_checkpoint(checkpoint), device=device)
     requests = [GenerationRequest(prompt=p, seed=0, resolution=resolution) for p in prompts]
     t0 = time.perf_counter()
     results = engine.generate(requests)
@@ -226,55 +245,81 @@ def gate(metrics: dict, min_valid_share: float, min_watertight_share: float,
 
 # -- 4. package --------------------------------------------------------------------------------
 
-def template_repository() -> Path:
-    """triton_models/ of this checkout (editable install), or of the runtime image."""
-    from cubeserve.deploy import IMAGE_MODEL_REPOSITORY
-    from cubeserve.serving.local_triton import MODEL_REPOSITORY
-
-    return MODEL_REPOSITORY if MODEL_REPOSITORY.is_dir() else Path(IMAGE_MODEL_REPOSITORY)
+INSTANCE_KINDS = ("gpu", "cpu")
 
 
-def store_versions(store: str | Path) -> list[int]:
-    """Version directories present in the model store (either model)."""
-    found = set()
-    for model in (PREDICT_MODEL, STREAM_MODEL):
-        d = Path(store) / model
-        if d.is_dir():
-            found |= {int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit()}
-    return sorted(found)
+def version_uri(model_store: str, version: int) -> str:
+    """Where version N lives: `<model_store>/<N>/`, a complete Triton model repository, the
+    InferenceService's storageUri. The trailing slash matters: KServe's storage initializer lists
+    objects by prefix, so `<model_store>/1` would also fetch `<model_store>/10/...`."""
+    from cubeserve import storage
+
+    return storage.join(model_store, str(version)) + "/"
 
 
-def package(checkpoint: str, store: str, files_sha256: dict, min_version: int = 1) -> int:
-    """Write `cube3d/<N>/` and `cube3d_stream/<N>/{model.py,weights/}` into the model store,
-    N the next free version (at least `min_version`). Each version directory is assembled
-    under a hidden name and renamed into place, so a server never sees half a version; the
-    copied weights are checked against the validated digests."""
-    store_path, template = Path(store), template_repository()
-    version = max([min_version - 1, *store_versions(store_path)]) + 1
-    staged = []
-    for model in (STREAM_MODEL, PREDICT_MODEL):
-        (store_path / model).mkdir(parents=True, exist_ok=True)
-        config = store_path / model / "config.pbtxt"
-        if not config.exists():  # the first version brings the model's config
-            shutil.copy2(template / model / "config.pbtxt", config)
-        tmp = store_path / model / f".{version}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        shutil.copy2(template / model / "1" / "model.py", tmp / "model.py")
-        staged.append((tmp, store_path / model / str(version)))
-    weights = staged[0][0] / "weights"
-    shutil.copytree(local_checkpoint(checkpoint), weights)
-    for rel, digest in files_sha256.items():
-        if sha256_file(weights / rel) != digest:
-            raise CheckpointError(f"{rel}: changed while it was copied into the model store")
-    for tmp, final in staged:
-        os.replace(tmp, final)
+def manifest_uri(model_store: str, version: int) -> str:
+    """`<model_store>/<N>.json`, written after every file of version N: a version without it is
+    incomplete (a failed upload) and is never registered or listed. It sits beside the version's
+    folder, not in it, so that KServe never downloads it into the model repository."""
+    from cubeserve import storage
+
+    return storage.join(model_store, f"{version}.json")
+
+
+def store_versions(model_store: str) -> dict[int, dict]:
+    """Complete versions in the model store: N -> its manifest."""
+    from cubeserve import storage
+
+    found = {}
+    for name in storage.list_dirs(model_store):
+        if name.isdigit():
+            text = storage.read_text(manifest_uri(model_store, int(name)))
+            if text is not None:
+                found[int(name)] = json.loads(text)
+    return dict(sorted(found.items()))
+
+
+def package(checkpoint: str, model_store: str, validation: dict, instance_kind: str = "gpu",
+            min_version: int = 1) -> int:
+    """Upload the checkpoint as version N of the model store, in the layout KServe and the
+    ServingRuntime read (`<model_store>/<N>/{cube3d,cube3d_stream}/...`, Triton model version N).
+
+    N is the next number past every version in the store and `min_version - 1`. A checkpoint
+    that is in the store already (same digest and instance kind: a retried step or a resumed
+    run) returns its version instead of uploading it again. The weights are checked against the
+    validated digests before anything is uploaded."""
+    import tempfile
+
+    from cubeserve import storage
+    from cubeserve.serving.repository import build_version_repository
+
+    if instance_kind not in INSTANCE_KINDS:
+        raise ValueError(f"instance_kind must be one of {', '.join(INSTANCE_KINDS)}, got {instance_kind!r}")
+    validation = _integral(validation)
+    existing = store_versions(model_store)
+    for version, manifest in existing.items():
+        if manifest.get("sha256") == validation["sha256"] and manifest.get("instance_kind") == instance_kind:
+            return version
+    numbered = [int(n) for n in storage.list_dirs(model_store) if n.isdigit()]  # incomplete ones too
+    version = max([min_version - 1, *numbered]) + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = build_version_repository(fetch_checkpoint(checkpoint), version, Path(tmp) / "repo", instance_kind)
+        weights = repo / STREAM_MODEL / str(version) / "weights"
+        for rel, digest in validation["files_sha256"].items():
+            if sha256_file(weights / rel) != digest:
+                raise CheckpointError(f"{rel}: changed after it was validated")
+        storage.upload_dir(repo, version_uri(model_store, version))
+    storage.write_text(manifest_uri(model_store, version), json.dumps({
+        "version": version, "sha256": validation["sha256"], "instance_kind": instance_kind,
+        "config_name": validation["config_name"], "files_sha256": validation["files_sha256"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2, sort_keys=True))
     return version
 
 
 # -- 5. register -------------------------------------------------------------------------------
 
 def _integral(obj):
+    """KFP passes dicts as protobuf Structs: every number comes back a float."""
     if isinstance(obj, float) and obj.is_integer():
         return int(obj)
     if isinstance(obj, dict):
@@ -284,19 +329,21 @@ def _integral(obj):
     return obj
 
 
-def register(registry_uri: str, model_name: str, store: str, triton_version: int, validation: dict,
-             metrics: dict, source_uri: str, run_id: str) -> str:
-    """A new registry version for the packaged Triton version, tagged, aliased `challenger`.
-    A checkpoint already registered (same sha256) returns its version instead."""
-    from cubeserve.registry import CHALLENGER, ModelRegistry
+def register(registry_uri: str, model_name: str, model_store: str, triton_version: int, validation: dict,
+             metrics: dict, source_uri: str, pipeline_run_id: str, mlflow_run_id: str) -> str:
+    """A registry version for packaged version N, created in the pipeline run's MLflow run with the
+    object-store URI of version N as its source, tagged, aliased `challenger`. A checkpoint
+    registered already (same sha256) returns its version instead (a retried step)."""
+    from cubeserve.registry import CHALLENGER, open_registry
 
-    registry = ModelRegistry(registry_uri, model_name)
-    validation = _integral(validation)  # KFP passes dicts as protobuf Structs: every number a float
+    registry = open_registry(registry_uri, model_name)
+    validation = _integral(validation)
     existing = registry.find_by_sha256(validation["sha256"])
     if existing is not None:
         return existing.version
     version = registry.create(
-        source=str(Path(store).resolve() / STREAM_MODEL / str(triton_version)),
+        source=version_uri(model_store, triton_version),
+        run_id=mlflow_run_id,
         description=f"{source_uri} ({validation['version']}, config {validation['config_name']})",
         tags={
             "sha256": validation["sha256"],
@@ -307,9 +354,30 @@ def register(registry_uri: str, model_name: str, store: str, triton_version: int
             "metrics": json.dumps(metrics, sort_keys=True),
             **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()},
             "source_uri": source_uri,
-            "pipeline_run_id": run_id,
-            "model_store": str(Path(store).resolve()),
+            "pipeline_run_id": pipeline_run_id,
+            "model_store": model_store,
             "triton_version": str(triton_version),
         })
     registry.set_alias(CHALLENGER, version.version)
     return version.version
+
+
+# -- what a run does with a checkpoint -----------------------------------------------------------
+
+NEW, RESUME, DONE = "new", "resume", "done"
+# Roll-out decisions that end a version's roll-out; anything else (none yet, "failed") is resumed.
+FINAL_DECISIONS = ("promoted", "rolled_back", "unchanged")
+
+
+def plan_run(registry, sha256: str) -> tuple[str, str, str]:
+    """(action, registry version, why): NEW for a checkpoint never registered; RESUME for one
+    registered by an earlier run whose roll-out did not finish (it failed, or the run stopped);
+    DONE for one whose roll-out was decided."""
+    existing = registry.find_by_sha256(sha256)
+    if existing is None:
+        return NEW, "", "not registered yet"
+    decision = existing.tags.get("rollout.decision", "")
+    if decision in FINAL_DECISIONS:
+        return DONE, existing.version, f"already version {existing.version}, roll-out {decision}"
+    return RESUME, existing.version, (f"version {existing.version} was registered but its roll-out "
+                                      f"{'failed' if decision else 'never finished'}: resuming it")
