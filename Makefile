@@ -5,7 +5,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= a round table
 CHECKPOINT ?=
-STORE ?= outputs/model_store
 
 .PHONY: install test serve demo demo-model bench load k8s image pipeline pipelines clean
 
@@ -52,18 +51,27 @@ load: install
 k8s: install
 	$(PY) -m pytest -q tests/test_k8s.py tests/test_rollout.py
 
-# Compile every Kubeflow pipeline to the YAML beside it (upload that file in the Kubeflow UI).
+# Compile the checkpoint pipeline for your runtime image: outputs/cube3d-checkpoint-rollout.yaml,
+# the file to upload in the Kubeflow UI. IMAGE is the image `make image` built and you pushed.
 pipelines: install
-	$(PY) -m kfp_pipelines.compile
+	test -n "$(IMAGE)" || (echo "usage: make pipelines IMAGE=REGISTRY/cube-serve:TAG"; exit 1)
+	$(PY) -m kfp_pipelines.compile --image $(IMAGE)
 
-# Run the checkpoint pipeline locally with kfp.local: registry and model store on disk.
+# Run the checkpoint pipeline on this machine as a Kubeflow cluster runs it: an S3 server, the
+# MLflow server and a tritonserver as local processes (their data in PIPELINE_STATE, so the next
+# run finds this one's champion), every step in its own empty folder. PARAMS: e.g.
+# PARAMS="--param min_token_agreement=0.9".
+PIPELINE_STATE ?= outputs/pipeline
+PARAMS ?=
 pipeline: install
-	test -n "$(CHECKPOINT)" || (echo "usage: make pipeline CHECKPOINT=DIR [STORE=DIR]"; exit 1)
-	$(PY) -m kfp_pipelines.run_local --checkpoint $(CHECKPOINT) --store $(STORE)
+	test -n "$(CHECKPOINT)" || (echo "usage: make pipeline CHECKPOINT=DIR [PARAMS=...]"; exit 1)
+	$(PY) -m kfp_pipelines.run_local --checkpoint $(CHECKPOINT) --state $(PIPELINE_STATE) $(PARAMS)
 
-# The runtime image (needs a docker engine; none runs on this project's machines).
-IMAGE ?= registry.example.com/cube-serve:0.1.0
+# The runtime image (needs a docker engine; none runs on this project's machines):
+# make image IMAGE=REGISTRY/cube-serve:TAG
+IMAGE ?=
 image:
+	test -n "$(IMAGE)" || (echo "usage: make image IMAGE=REGISTRY/cube-serve:TAG"; exit 1)
 	docker build -f k8s/Dockerfile -t $(IMAGE) .
 
 clean:

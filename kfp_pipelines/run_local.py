@@ -55,6 +55,7 @@ class LocalCluster:
     def __init__(self, state: str | Path, triton_url: str = ""):
         self.state = Path(state).resolve()
         self.triton_url = triton_url
+        self.server = None  # the tritonserver started here (none with triton_url)
         self._stack = ExitStack()
 
     def __enter__(self) -> "LocalCluster":
@@ -79,7 +80,8 @@ class LocalCluster:
                 server = LocalTriton(serving, free_port(), free_port(), free_port(),
                                      log_path=self.state / "tritonserver.log",
                                      extra_args=("--model-control-mode=explicit",))
-                self.triton_url = self._stack.enter_context(server).http_url
+                self.server = self._stack.enter_context(server)
+                self.triton_url = self.server.http_url
         except BaseException:
             self._stack.close()
             raise

@@ -362,3 +362,24 @@ def test_the_mlflow_registry_manifest_is_valid():
     assert {o["kind"] for o in objects} >= {"Deployment", "Service"}
     for obj in objects:
         assert validate(obj) == [], (obj["kind"], validate(obj))
+
+
+def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
+    """k8s/pipeline/: the ServiceAccount, Role and RoleBinding the pipeline's steps run as.
+    They read and patch the InferenceService and the ConfigMap of the versions (package,
+    roll_out, the exit handler: cubeserve.pipeline.serving, cubeserve.rollout.Cluster), no more."""
+    from cubeserve import rollout
+    from k8s_validation import _rendered
+
+    objects = [o for o in yaml.safe_load_all(_rendered(str(REPO / "k8s" / "pipeline"))) if o]
+    for obj in objects:
+        assert validate(obj) == [], (obj["kind"], validate(obj))
+    account, role, binding = (find(objects, kind) for kind in ("ServiceAccount", "Role", "RoleBinding"))
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r["resourceNames"])): sorted(r["verbs"])
+             for r in role["rules"]}
+    assert rules == {
+        ((rollout.GROUP,), (rollout.ISVC_API[1],), (rollout.DEFAULT_ISVC,)): ["get", "patch"],
+        (("",), ("configmaps",), (rollout.VERSIONS_CONFIGMAP,)): ["get", "patch"],
+    }
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]

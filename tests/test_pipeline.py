@@ -27,6 +27,7 @@ from cubeserve import storage
 from cubeserve.checkpoint import GPT_FILE, write_random_weights
 from cubeserve.pipeline import serving, steps
 from cubeserve.registry import CHALLENGER, CHAMPION, open_registry
+from cubeserve.serving.stubs import python_stubs
 from kfp_pipelines import checkpoint_rollout as pipeline_module
 from kfp_pipelines.compile import compile_to
 from kfp_pipelines.pod_runner import FAILED, SUCCEEDED, load_pipeline
@@ -92,6 +93,9 @@ def test_first_checkpoint_is_packaged_registered_served_and_champion(cluster, fi
     report = first_run.task("evaluate-2").artifacts["report"]
     assert report.startswith("s3://cube-serve/pipeline-root/") and "data:image/png" in storage.read_text(report)
     assert_champion_serving(cluster, "1")
+    # Its engine process is known as cube3d_stream version 1 although Triton runs it from the
+    # temporary folder of the load request (the predict model's watchdog relies on this).
+    assert ("cube3d_stream", "1") in python_stubs(cluster.server.process.pid).values()
 
 
 def test_same_checkpoint_again_does_nothing(cluster, first_run, good):

@@ -11,6 +11,7 @@ endpoint answers 200. The supervisor and the predict model watch the stubs with 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -76,9 +77,27 @@ def stub_processes(server_pid: int) -> dict[int, Path]:
     return stubs
 
 
+_INSTANCE_NAME = re.compile(r"(.+)_\d+_\d+")
+
+
+def _model_name(pid: int, model_py: Path) -> str:
+    """The stub's model: from its instance name (argument 8 of the stub's command line in
+    python_backend's stub_launcher.cc: `<model>_<group>_<instance>` for the default instance
+    groups), else from its path. The path alone is not enough: a model loaded with its files in
+    the load request runs from a temporary folder (`<tmp>/<version>/model.py`)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        match = _INSTANCE_NAME.fullmatch(args[8].decode(errors="replace"))
+        if match:
+            return match.group(1)
+    except (OSError, IndexError):
+        pass
+    return model_py.parent.parent.name
+
+
 def python_stubs(server_pid: int) -> dict[int, tuple[str, str]]:
     """{stub pid: (model name, version)} for the live stub processes of tritonserver `server_pid`."""
-    return {pid: (path.parent.parent.name, path.parent.name) for pid, path in stub_processes(server_pid).items()}
+    return {pid: (_model_name(pid, path), path.parent.name) for pid, path in stub_processes(server_pid).items()}
 
 
 def stub_alive(server_pid: int, model: str, version: str | int) -> bool:
