@@ -144,8 +144,8 @@ class PodRunner:
             else:
                 result = self._run_task(task, path, inputs, done)
             done[name] = self.results[path] = result
-            if result.state == FAILED and not failed_error:
-                failed_error = f"{path}: {result.error}"
+            if result.state == FAILED and not failed_error:  # a sub-DAG's error names its failed step
+                failed_error = result.error if result.error.startswith(path + "/") else f"{path}: {result.error}"
         outputs = self._dag_outputs(dag, done)
         return (FAILED if failed_error else SUCCEEDED), outputs, failed_error
 

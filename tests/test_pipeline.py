@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from cubeserve import storage
 from cubeserve.checkpoint import GPT_FILE, write_random_weights
@@ -196,14 +195,7 @@ def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_be
     stub = StubApiServer({isvc_path: reconciled(isvc), cm_path: configmap},
                          on_patch=lambda path, obj: reconciled(obj, ready=False) if path == isvc_path else obj)
     try:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "stand-in",
-            "clusters": [{"name": "stand-in", "cluster": {"server": stub.url}}],
-            "users": [{"name": "stand-in", "user": {"token": "not-a-secret"}}],
-            "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "stand-in",
-                                                          "namespace": "models"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(stub.kubeconfig(tmp_path / "kubeconfig")))
         reg = registry(cluster)
         candidate = reg.versions()[-1]
         # The package step lists the version where `cubeserve rollout` reads versions.

@@ -480,6 +480,15 @@ class StubApiServer:
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
+    def kubeconfig(self, path, namespace: str = "models"):
+        """A kubeconfig whose current context is this server (for KUBECONFIG)."""
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "stub",
+            "clusters": [{"name": "stub", "cluster": {"server": self.url}}],
+            "users": [{"name": "stub", "user": {"token": "not-a-secret"}}],
+            "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub", "namespace": namespace}}]}))
+        return path
+
     def close(self):
         self.server.shutdown()
         self.server.server_close()
@@ -492,13 +501,7 @@ def test_cluster_client_sends_merge_patches_over_http(tmp_path, monkeypatch):
     stub = StubApiServer({isvc_path: reconciled(raw()),
                           "/api/v1/namespaces/models/configmaps/cube3d-versions": configmap})
     try:
-        kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "stub",
-            "clusters": [{"name": "stub", "cluster": {"server": stub.url}}],
-            "users": [{"name": "stub", "user": {"token": "not-a-secret"}}],
-            "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub", "namespace": "models"}}]}))
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(stub.kubeconfig(tmp_path / "kubeconfig")))
         parser = argparse.ArgumentParser(prog="cubeserve")
         r.add_rollout_parser(parser.add_subparsers(dest="command", required=True))
         args = parser.parse_args(["rollout", "promote"])
