@@ -26,6 +26,8 @@ from typing import NamedTuple
 from kfp import dsl, kubernetes
 from kfp.dsl import HTML, Metrics, Output, PipelineTaskFinalStatus
 
+from cubeserve.pipeline.serving import ROLLOUT_DEADLINE_S
+
 PIPELINE_NAME = "cube3d-checkpoint-rollout"
 S3_SECRET = "cube-serve-s3"
 S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
@@ -151,13 +153,32 @@ def _with_secrets(task: dsl.PipelineTask) -> dsl.PipelineTask:
     return task
 
 
-def _pod(task: dsl.PipelineTask, cpu: str, memory: str, retries: int) -> dsl.PipelineTask:
+# Each step's pod: CPU and memory requests (memory is also the limit); retries only where
+# repeating is safe (not the gate, whose answer would not change, nor the roll-out, whose failed
+# soak is a decision); and a deadline in seconds (the pod's activeDeadlineSeconds), so that a
+# step that hangs, or a pod that cannot start (a missing Secret), fails the run instead of
+# holding it forever. The roll-out's deadline bounds `soak_seconds` (cubeserve.pipeline.serving).
+POD = {
+    "validate": ("1", "8Gi", 2, 3600),
+    "evaluate": ("4", "16Gi", 2, 3600),
+    "evaluate-gpu": ("4", "32Gi", 2, 3600),
+    "gate": ("100m", "256Mi", 0, 300),
+    "package": ("2", "16Gi", 2, 3600),
+    "register": ("250m", "1Gi", 2, 600),
+    "roll_out": ("1", "2Gi", 0, ROLLOUT_DEADLINE_S),
+    "finish": ("250m", "1Gi", 2, 1800),
+}
+
+
+def _pod(task: dsl.PipelineTask, step: str) -> dsl.PipelineTask:
+    cpu, memory, retries, deadline = POD[step]
     # Every step reads or changes state outside its inputs (the object store, the registry,
     # the cluster), so none may be answered from KFP's cache.
     task.set_caching_options(False)
     task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
     if retries:
         task.set_retry(num_retries=retries, backoff_duration="30s")
+    kubernetes.set_timeout(task, deadline)
     return _with_secrets(task)
 
 
@@ -220,10 +241,10 @@ def build(image: str):
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         done = c["finish"](registry_uri=registry_uri, model_name=model_name, pipeline_run_id=run_id, target=target,
                            triton_url=triton_url, model_store=model_store, namespace=namespace, isvc=isvc)
-        _pod(done, "250m", "1Gi", retries=2)
+        _pod(done, "finish")
         with dsl.ExitHandler(done, name="checkpoint"):
             checked = _pod(c["validate"](checkpoint=checkpoint, registry_uri=registry_uri, model_name=model_name,
-                                         device=device, pipeline_run_id=run_id), "1", "8Gi", retries=2)
+                                         device=device, pipeline_run_id=run_id), "validate")
             action, mlflow_run = checked.outputs["action"], checked.outputs["mlflow_run_id"]
             rollout_args = dict(target=target, registry_uri=registry_uri, model_name=model_name,
                                 canary_percent=canary_percent, soak_requests=soak_requests,
@@ -234,28 +255,27 @@ def build(image: str):
                                      heldout_shapes=heldout_shapes, registry_uri=registry_uri,
                                      model_name=model_name, mlflow_run_id=mlflow_run)
                 with dsl.If(device == "cuda", name="on-gpu"):
-                    on_gpu = _pod(c["evaluate"](**evaluate_args), "4", "32Gi", retries=2)
+                    on_gpu = _pod(c["evaluate"](**evaluate_args), "evaluate-gpu")
                     on_gpu.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(1)
                 with dsl.Else(name="on-cpu"):
-                    on_cpu = _pod(c["evaluate"](**evaluate_args), "4", "16Gi", retries=2)
+                    on_cpu = _pod(c["evaluate"](**evaluate_args), "evaluate")
                 metrics = dsl.OneOf(on_gpu.outputs["Output"], on_cpu.outputs["Output"])
                 passed = _pod(c["gate"](metrics=metrics, min_valid_share=min_valid_share,
                                         min_watertight_share=min_watertight_share,
                                         min_token_agreement=min_token_agreement,
                                         max_time_per_output_token_s=max_time_per_output_token_s,
-                                        min_shape_iou=min_shape_iou), "100m", "256Mi", retries=0)
+                                        min_shape_iou=min_shape_iou), "gate")
                 packaged = _pod(c["package"](checkpoint=checkpoint, model_store=model_store,
                                              instance_kind=instance_kind, validation=checked.outputs["validation"],
                                              registry_uri=registry_uri, model_name=model_name, target=target,
-                                             namespace=namespace), "2", "16Gi", retries=2).after(passed)
+                                             namespace=namespace), "package").after(passed)
                 registered = _pod(c["register"](registry_uri=registry_uri, model_name=model_name,
                                                 model_store=model_store, triton_version=packaged.output,
                                                 validation=checked.outputs["validation"], metrics=metrics,
                                                 checkpoint=checkpoint, pipeline_run_id=run_id,
-                                                mlflow_run_id=mlflow_run), "250m", "1Gi", retries=2)
-                # A soak is not repeated blindly: its failure is a decision (rolled back).
-                _pod(c["roll_out"](version=registered.output, **rollout_args), "1", "2Gi", retries=0)
+                                                mlflow_run_id=mlflow_run), "register")
+                _pod(c["roll_out"](version=registered.output, **rollout_args), "roll_out")
             with dsl.Elif(action == "resume", name="resume-rollout"):
-                _pod(c["roll_out"](version=checked.outputs["version"], **rollout_args), "1", "2Gi", retries=0)
+                _pod(c["roll_out"](version=checked.outputs["version"], **rollout_args), "roll_out")
 
     return checkpoint_rollout

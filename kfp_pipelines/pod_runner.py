@@ -1,28 +1,35 @@
-"""Run a compiled pipeline (the YAML uploaded in the Kubeflow UI) the way a Kubeflow cluster runs
-it, on one machine: each step as a "pod".
+"""Run a compiled pipeline (the YAML uploaded in the Kubeflow UI) the way a Kubeflow cluster runs it,
+on one machine: each step as a "pod".
 
-What a step gets, as on a cluster (KFP v2 backend: the driver resolves inputs, the launcher runs
-the container's command and uploads outputs):
-* the executor's exact `command` and `args` from the compiled YAML, with `{{$}}` replaced by the
-  executor input (KFP's lightweight components need nothing else), run by `sh` with the image's
-  `python3` first on PATH; the image is looked up in `images` (an unknown image fails the step,
-  as an image that cannot be pulled does);
+It follows the KFP v2 backend's driver and launcher (kubeflow/pipelines, backend/src/v2, read at
+commit 7b70c7b); the lines are cited where each rule is implemented:
+* a step runs the executor's exact `command` and `args` from the compiled YAML, with `{{$}}`
+  replaced by the executor input as protojson writes it (component/launcher_v2.go,
+  compileCmdAndArgs), run by `sh` with the image's `python3` first on PATH; the image is looked
+  up in `images` (an unknown image fails the step, as one that cannot be pulled does);
 * its own empty working directory, HOME and TMPDIR: nothing of another step's disk;
 * an environment holding only PATH, the locale, the executor's `env`, the keys of the Secrets
-  that kfp-kubernetes' `use_secret_as_env` names (a missing Secret fails the step unless it is
-  optional), and KFP's pod variables;
+  that kfp-kubernetes' `use_secret_as_env` names (driver/k8s.go: secretKeyRef, `optional` as
+  given), and KFP's pod variables. A missing Secret that is not optional fails the step at once
+  with the kubelet's reason (CreateContainerConfigError); on a cluster the pod waits in that
+  state until the step's `activeDeadlineSeconds` (kfp-kubernetes set_timeout, driver/k8s.go),
+  which also bounds each attempt here;
 * output artifacts written to a local path and then uploaded under the pipeline root (an S3
   URI), as the launcher does (the component sees a local URI where a pod sees `/s3/...`).
 
-The DAG semantics follow the KFP v2 driver: `dependentTasks` and input producers order the
-tasks; `triggerPolicy.condition` (dsl.If/Elif/Else) skips a sub-DAG whose condition is false;
-`dagOutputs` with `valueFromOneof` take the branch that ran (dsl.OneOf); after a failure no new
-task starts, except those with `strategy: ALL_UPSTREAM_TASKS_COMPLETED` (dsl.ExitHandler's exit
-task), which get the `PipelineTaskFinalStatus` of the DAG they watch; `retryPolicy` reruns a
-failed step (without the backoff wait). Caching is never used: every step runs.
+The DAG: `dependentTasks` and input producers order the tasks; `triggerPolicy.condition`
+(dsl.If/Elif/Else, a CEL expression: driver/container.go) skips a sub-DAG whose condition is
+false; `dagOutputs` with `valueFromOneof` take the branch that ran (dsl.OneOf); after a failure no
+new task starts, except those with `strategy: ALL_UPSTREAM_TASKS_COMPLETED` (dsl.ExitHandler's
+exit task), which get the `PipelineTaskFinalStatus` of the DAG they watch as the driver builds it
+(driver/resolve.go, the TaskFinalStatus case): `state` is the DAG execution's MLMD state
+(COMPLETE, FAILED, ...), and `error` is empty (the backend does not fill it in yet).
+`retryPolicy` reruns a failed step (without the backoff wait). Caching is never used: every step
+runs.
 
 Not supported (this project's pipelines use none of them; each is refused by name): input
-artifacts, ParallelFor, importers, other placeholders than `{{$}}`.
+artifacts, ParallelFor, importers, other placeholders than `{{$}}` and the run's own
+`{{$.pipeline_job_*}}` values.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ import yaml
 
 SUCCEEDED, FAILED, SKIPPED = "SUCCEEDED", "FAILED", "SKIPPED"
 EXIT_STRATEGY = "ALL_UPSTREAM_TASKS_COMPLETED"
+# A DAG's state as an exit task sees it: MLMD's Execution.State names (driver/resolve.go).
+_MLMD_STATE = {SUCCEEDED: "COMPLETE", FAILED: "FAILED", SKIPPED: "CANCELED"}
 
 
 class PipelineSpecError(ValueError):
@@ -190,11 +199,8 @@ class PodRunner:
                 params[name] = self._placeholders(source["runtimeValue"]["constant"])
             elif "taskFinalStatus" in source:
                 producer = done[source["taskFinalStatus"]["producerTask"]]
-                status = {"state": producer.state if producer.state != SKIPPED else FAILED,
-                          "pipelineJobResourceName": self.run_id, "pipelineTaskName": producer.name}
-                if producer.state != SUCCEEDED:
-                    status["error"] = {"code": 2, "message": producer.error}
-                params[name] = status
+                params[name] = {"state": _MLMD_STATE[producer.state], "pipelineJobResourceName": self.run_id,
+                                "pipelineTaskName": producer.name.rsplit("/", 1)[-1], "error": {}}
             else:
                 raise PipelineSpecError(f"input {name}: unsupported source {sorted(source)}")
         return params
@@ -252,12 +258,15 @@ class PodRunner:
         command = [_substitute(part, executor_input) for part in container["command"] + container.get("args", [])]
         self.log(f"[{path}] pod {pod.name}: {container['image']}")
         started = time.monotonic()
+        deadline = float(self.k8s_executors.get(label, {}).get("activeDeadlineSeconds") or self.step_timeout)
         try:
             proc = subprocess.run(command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, timeout=self.step_timeout)
+                                  text=True, timeout=deadline)
             log, code = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as exc:
-            log, code = f"{exc.stdout or ''}{exc.stderr or ''}\nkilled after {self.step_timeout} s", -9
+            out = (exc.stdout or b"") + (exc.stderr or b"")
+            log = (out.decode(errors="replace") if isinstance(out, bytes) else out)
+            log, code = log + f"\nDeadlineExceeded: killed after {deadline:.0f} s", -9
         for line in log.rstrip().splitlines()[-15:]:
             self.log(f"[{path}]   {line}")
         try:
@@ -316,9 +325,9 @@ class PodRunner:
 
 
 def _as_go_json(value: Any) -> Any:
-    """Values as the KFP backend (Go, protojson) writes them into the executor input: a number is
-    a protobuf double, and a whole one is printed without a fraction (5, not 5.0), so an int
-    parameter arrives as an int, and so does a float parameter that is whole."""
+    """Values as the launcher writes them into the executor input (protojson.Marshal in
+    compileCmdAndArgs): a number is a protobuf double, and protojson prints a whole one without a
+    fraction (5, not 5.0), so an int parameter arrives as an int, and so does a whole float."""
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ast
 import inspect
-import json
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,7 +151,8 @@ def test_a_run_failing_after_register_clears_its_challenger_and_a_rerun_resumes(
     assert broken.state == FAILED and broken.task("register").state == SUCCEEDED
     assert broken.task("roll-out").state == FAILED and broken.task("finish").state == SUCCEEDED
     v2 = registry(cluster).get("2")
-    assert v2.tags["rollout.decision"] == "failed" and "roll-out" in v2.tags["rollout.reason"]
+    assert v2.tags["rollout.decision"] == "failed"
+    assert v2.tags["rollout.reason"] == f"pipeline run {broken.run_id} ended FAILED"
     assert registry(cluster).get_run(v2.run_id).status == "FAILED"
     assert_champion_serving(cluster, "1")  # the exit handler cleared the challenger
     # The same checkpoint again resumes the roll-out of version 2 (no second package or version).
@@ -191,7 +194,9 @@ def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_be
     isvc = raw(with_canary=False)
     isvc["spec"]["predictor"]["model"]["storageUri"] = f"{MODEL_STORE}/1/"
     # KServe's controller, as far as the roll-out reads it: it observes each new generation and
-    # reports the canary's Deployment, which never becomes ready here.
+    # reports the canary's Deployment in status.canaryStatuses[] {name, ready, trafficPercent}
+    # (the v0.20.0 InferenceService CRD's status schema), never ready here. Whether readiness
+    # should be read from the generation at all is #15's subject, not this test's.
     stub = StubApiServer({isvc_path: reconciled(isvc), cm_path: configmap},
                          on_patch=lambda path, obj: reconciled(obj, ready=False) if path == isvc_path else obj)
     try:
@@ -264,7 +269,9 @@ def test_caching_retries_resources_gpu_and_secrets(compiled):
         assert int((task.get("retryPolicy") or {}).get("maxRetryCount", 0)) == retried[step], name
         resources = executors[comp["executorLabel"]]["container"]["resources"]
         assert resources["resourceCpuRequest"] and resources["resourceMemoryRequest"], name
-        uses = {u["secretName"]: u for u in secret_uses[comp["executorLabel"]]["secretAsEnv"]}
+        platform_executor = secret_uses[comp["executorLabel"]]
+        assert int(platform_executor["activeDeadlineSeconds"]) > 0, name  # a stuck pod fails the run
+        uses = {u["secretName"]: u for u in platform_executor["secretAsEnv"]}
         assert not uses["cube-serve-s3"].get("optional") and uses["cube-serve-mlflow"]["optional"]
         assert {k["envVar"] for k in uses["cube-serve-s3"]["keyToEnv"]} == set(pipeline_module.S3_SECRET_KEYS)
     assert seen == set(retried)
@@ -311,24 +318,42 @@ def _imported_modules() -> set[str]:
 
 
 def test_the_images_install_line_provides_every_module_the_steps_import(tmp_path):
-    """A fresh virtual environment with exactly the Dockerfile's install lines (torch, then the
-    package with its extras) imports every module that a step, or what it calls, imports."""
-    dockerfile = (REPO / "k8s" / "Dockerfile").read_text()
-    install = [line.split("pip install --no-cache-dir", 1)[1].split("&&")[0].strip().rstrip("\\").strip()
-               for line in dockerfile.splitlines() if "pip install --no-cache-dir" in line]
-    assert install[0] == '"torch==${TORCH_VERSION}"' and install[1] == '".[gpu,pipeline]"'
-    venv = tmp_path / "venv"
+    """The Dockerfile's instructions up to the package install, replayed into a fresh virtual
+    environment: its COPY lines into a build folder (the image's WORKDIR), then its RUN lines as
+    written, with the environment's python3 first on PATH. Then every module that a step, or
+    what it calls, imports must import. Two differences, for this machine: pip may use its cache
+    (--no-cache-dir is dropped), and this machine's index gives torch's CPU wheel."""
+    from k8s_validation import dockerfile_instructions
+
+    steps = dockerfile_instructions(REPO / "k8s" / "Dockerfile")
+    args = dict(a.split("=", 1) for i, a in steps if i == "ARG")
+    venv, context = tmp_path / "venv", tmp_path / "image"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    # torch as the image pins it (this machine's index gives the CPU wheel), then the package line.
-    subprocess.run(pip + ["torch==2.13.0"], check=True, timeout=900)
-    subprocess.run(pip + [f"{REPO}[gpu,pipeline]"], check=True, timeout=900)
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "LANG": "C.UTF-8",  # HOME and XDG_*: pip's cache
+           **{k: v for k, v in os.environ.items() if k.startswith(("PIP_", "HTTP", "NO_PROXY", "HOME", "XDG_"))}}
+    context.mkdir()
+    installed = False
+    for instruction, arguments in steps:
+        if instruction == "COPY":
+            *sources, target = shlex.split(arguments)
+            for source in sources:  # `COPY a b ./`: into the folder; `COPY dir ./dir`: as it
+                into = context / target / Path(source).name if target.endswith("/") else context / target
+                into.parent.mkdir(parents=True, exist_ok=True)
+                (shutil.copytree if (REPO / source).is_dir() else shutil.copy2)(REPO / source, into)
+        elif instruction == "RUN" and "pip install" in arguments:
+            command = arguments.replace("${TORCH_VERSION}", args["TORCH_VERSION"]).replace(" --no-cache-dir", "")
+            out = subprocess.run(["sh", "-c", command], cwd=context, env=env, capture_output=True, text=True,
+                                 timeout=1200)
+            assert out.returncode == 0, out.stderr[-3000:]
+            installed = ".[gpu,pipeline]" in command
+            if installed:
+                break
+    assert installed, "the Dockerfile installs the package with its gpu and pipeline extras"
     modules = sorted(_imported_modules())
     check = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
-    out = subprocess.run([str(py), "-c", check, *modules], capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", check, *modules], capture_output=True, text=True,
+                         cwd=tmp_path, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
     # kfp's executor runs each step: it must be there without a pip install at start.
-    assert subprocess.run([str(py), "-c", "import kfp.dsl.executor_main"], cwd=tmp_path).returncode == 0
-    assert json.loads(subprocess.run([str(py), "-c", "import json, numpy; print(json.dumps(numpy.__version__))"],
-                                     capture_output=True, text=True, cwd=tmp_path).stdout).startswith("1.")
+    assert subprocess.run([str(venv / "bin" / "python"), "-c", "import kfp.dsl.executor_main"], cwd=tmp_path,
+                          env=env).returncode == 0

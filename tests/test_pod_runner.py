@@ -2,7 +2,9 @@
 pipeline tests run on. A small compiled pipeline of probe steps checks the semantics it claims
 from the KFP v2 backend: one empty folder per pod, only the Secrets' keys in the environment
 (a missing Secret fails the step, an optional one does not), retries, dsl.If/Else with
-dsl.OneOf, and an exit handler that gets the failed DAG's status."""
+dsl.OneOf, an exit handler that gets the DAG's status as the KFP v2 driver builds it
+(kubeflow/pipelines backend/src/v2/driver/resolve.go at 7b70c7b, the TaskFinalStatus case: the
+MLMD state COMPLETE or FAILED, an empty error), and pod deadlines."""
 
 import shutil
 import sys
@@ -109,7 +111,8 @@ def test_each_step_is_a_pod_with_its_own_folder_and_only_its_secrets(compiled, t
     # Output artifacts went to the pipeline root, under the run and the task.
     page = Path(result.task("probe").artifacts["page"])
     assert page.read_text() == "<p>first</p>" and result.run_id in str(page)
-    assert (state / "final_status.json").read_text() == '{"state": "SUCCEEDED", "error": null}'
+    # As the driver builds it (backend/src/v2/driver/resolve.go): the DAG's MLMD state, no error.
+    assert (state / "final_status.json").read_text() == '{"state": "COMPLETE", "error": null}'
 
 
 def test_a_failure_skips_what_follows_and_the_exit_handler_sees_it(compiled, tmp_path):
@@ -119,7 +122,7 @@ def test_a_failure_skips_what_follows_and_the_exit_handler_sees_it(compiled, tmp
     assert result.state == FAILED and "took b failed on purpose" in result.error
     assert result.task("probe-2").state == FAILED and result.task("probe-2").attempts == 1  # no retry policy
     assert result.task("report").state == SUCCEEDED
-    assert '"state": "FAILED"' in (state / "final_status.json").read_text()
+    assert (state / "final_status.json").read_text() == '{"state": "FAILED", "error": null}'
 
 
 def test_a_missing_secret_fails_the_step_like_the_kubelet(compiled, tmp_path):
@@ -135,6 +138,28 @@ def test_an_unknown_image_cannot_be_pulled(compiled, tmp_path):
     r.images = {"other:1": Path(sys.executable).parent}
     result = r.run({"branch": "a", "state_dir": str(tmp_path)})
     assert result.state == FAILED and "image 'probe:1' cannot be pulled" in result.task("probe").error
+
+
+def nap(seconds: float) -> str:
+    import time
+
+    time.sleep(seconds)
+    return "awake"
+
+
+def test_a_step_past_its_deadline_is_killed(tmp_path):
+    """kfp-kubernetes' set_timeout is the pod's activeDeadlineSeconds: the kubelet kills the pod."""
+    n = dsl.component(nap, base_image=IMAGE, install_kfp_package=False)
+
+    @dsl.pipeline(name="nap")
+    def pipeline(seconds: float):
+        kubernetes.set_timeout(n(seconds=seconds), 2)
+
+    path = tmp_path / "nap.yaml"
+    compiler.Compiler().compile(pipeline, str(path))
+    assert runner(path, tmp_path, {}).run({"seconds": 0.1}).state == SUCCEEDED
+    result = runner(path, tmp_path, {}).run({"seconds": 30})
+    assert result.state == FAILED and "DeadlineExceeded: killed after 2 s" in result.task("nap").error
 
 
 @pytest.mark.parametrize("condition, params, expected", [

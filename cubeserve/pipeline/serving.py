@@ -110,6 +110,10 @@ def soak_local(triton_url: str, version: int, prompts: list[str], requests: int,
 
 
 TARGETS = ("local", "kserve")
+# The roll-out step's deadline (its pod's activeDeadlineSeconds in the pipeline); the soak must
+# end well before it, so that the decision is made and recorded.
+ROLLOUT_DEADLINE_S = 7200
+MAX_SOAK_S = ROLLOUT_DEADLINE_S - 1800
 
 
 def _now() -> str:
@@ -128,6 +132,9 @@ def roll_out(target: str, registry_uri: str, model_name: str, version: str, cana
 
     if target not in TARGETS:
         raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {target!r}")
+    if not 0 <= soak_seconds <= MAX_SOAK_S:
+        raise ValueError(f"soak_seconds must be from 0 to {MAX_SOAK_S} (the roll-out step's deadline is "
+                         f"{ROLLOUT_DEADLINE_S} s), got {soak_seconds}")
     registry = open_registry(registry_uri, model_name)
     new = registry.get(version)
     champion = registry.by_alias(CHAMPION)
@@ -231,20 +238,27 @@ def _kserve_rollback(cluster, isvc, registry) -> None:
         cluster.patch(rollout.ISVC_API, isvc, plan.patch)
 
 
+# The exit task's `status.state` for a run that succeeded: the KFP v2 backend passes the DAG's MLMD
+# execution state (COMPLETE; backend/src/v2/driver/resolve.go), the SDK's documentation says
+# SUCCEEDED. Anything else (FAILED, CANCELED, ...) is a failure.
+SUCCEEDED_STATES = ("COMPLETE", "SUCCEEDED")
+
+
 def finish_run(state: str, error: str, registry_uri: str, model_name: str, pipeline_run_id: str, target: str,
                triton_url: str = "", model_store: str = "", namespace: str = "", isvc: str = "cube3d") -> str:
     """The exit handler: close the run's MLflow run; if the run failed after a version became
     `challenger` in it, take that version out of serving (the champion keeps serving), clear the
     alias and tag the version `rollout.decision=failed`, so that running the same checkpoint
-    again resumes its roll-out. Returns what it did."""
+    again resumes its roll-out. Returns what it did. (`error` is often empty: the KFP backend
+    does not report the failed step's message to the exit task.)"""
     from cubeserve.registry import CHALLENGER, CHAMPION, open_registry
 
     registry = open_registry(registry_uri, model_name)
     run_id = registry.start_run(pipeline_run_id, {})
-    if state == "SUCCEEDED":
+    if state in SUCCEEDED_STATES:
         registry.end_run(run_id, "FINISHED")
         return "succeeded"
-    done = f"run failed: {error}"
+    done = f"pipeline run {pipeline_run_id} ended {state}" + (f": {error}" if error else "")
     challenger = registry.by_alias(CHALLENGER)
     if challenger is not None and pipeline_run_id in (challenger.tags.get("pipeline_run_id"),
                                                       challenger.tags.get("rollout.pipeline_run_id")):
