@@ -422,7 +422,3 @@ class MlflowRegistry:
         if status not in RUN_STATUSES[1:]:
             raise ValueError(f"end_run status {status!r}: one of {', '.join(RUN_STATUSES[1:])}")
         self._call(f"ending run {run_id} ({status})", self.client.set_terminated, run_id, status)
-
-
-# The name the pipeline used before open_registry (MLflow only): MlflowRegistry(uri, name).
-ModelRegistry = MlflowRegistry

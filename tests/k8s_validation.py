@@ -309,3 +309,18 @@ def crd_errors(obj: dict, schemas: dict) -> list[str]:
     validator = jsonschema.Draft4Validator(schema)
     return [f"{obj['kind']} {'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
             for e in validator.iter_errors(body)]
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    instructions, pending = [], ""
+    for line in path.read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        keyword, _, rest = (pending + line).strip().partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        pending = ""
+    return instructions

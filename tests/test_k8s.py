@@ -7,7 +7,6 @@ import copy
 import json
 import re
 import shlex
-from pathlib import Path
 from urllib.parse import urlparse
 
 import kubernetes_validate
@@ -16,7 +15,7 @@ import yaml
 
 from cubeserve import deploy
 from cubeserve.rollout import Registry, canary_name, rollout_state
-from k8s_validation import (KSERVE_CRDS, KUBERNETES_VERSION, OVERLAYS, REPO, crd_errors, find,
+from k8s_validation import (KSERVE_CRDS, KUBERNETES_VERSION, OVERLAYS, REPO, crd_errors, dockerfile_instructions, find,
                             load_crd_schemas, render, validate)
 
 GPU = "nvidia.com/gpu"
@@ -252,21 +251,6 @@ def test_local_server_and_client_defaults_are_the_deploy_modules():
 
 
 # -- the image --------------------------------------------------------------------------------------
-
-def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
-    instructions, pending = [], ""
-    for line in path.read_text().splitlines():
-        if not pending and (not line.strip() or line.lstrip().startswith("#")):
-            continue
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        keyword, _, rest = (pending + line).strip().partition(" ")
-        instructions.append((keyword.upper(), rest.strip()))
-        pending = ""
-    return instructions
-
 
 def test_dockerfile_builds_the_runtime_the_manifests_expect():
     steps = dockerfile_instructions(REPO / "k8s" / "Dockerfile")

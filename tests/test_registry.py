@@ -10,7 +10,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from cubeserve.registry import (CHALLENGER, CHAMPION, MAX_TAG_CHARS, MlflowRegistry, ModelRegistry, Registry,
+from cubeserve.registry import (CHALLENGER, CHAMPION, MAX_TAG_CHARS, MlflowRegistry, Registry,
                                 RegistryError, Version, embedded_uri, open_registry)
 from cubeserve.serving.local_triton import free_port
 from kfp_pipelines.local_services import MANIFEST, MlflowServer, manifest_container, server_command
@@ -225,7 +225,7 @@ def test_manifest_allows_the_in_cluster_names():
 def test_embedded_sqlite_registry(tmp_path):
     uri = embedded_uri(tmp_path / "registry")
     registry = open_registry(uri, "cube3d")
-    assert isinstance(registry, Registry) and isinstance(registry, ModelRegistry)
+    assert isinstance(registry, Registry) and isinstance(registry, MlflowRegistry)
     assert registry.find_by_sha256(SHA_A) is None and registry.versions() == [] and registry.by_alias(CHAMPION) is None
     run_id = registry.start_run("laptop-1", {"checkpoint": "models/demo"})
     assert registry.start_run("laptop-1") == run_id

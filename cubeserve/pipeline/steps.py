@@ -245,9 +245,6 @@ def gate(metrics: dict, min_valid_share: float, min_watertight_share: float,
 
 # -- 4. package --------------------------------------------------------------------------------
 
-INSTANCE_KINDS = ("gpu", "cpu")
-
-
 def version_uri(model_store: str, version: int) -> str:
     """Where version N lives: `<model_store>/<N>/`, a complete Triton model repository, the
     InferenceService's storageUri. The trailing slash matters: KServe's storage initializer lists
@@ -291,9 +288,9 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
     import tempfile
 
     from cubeserve import storage
-    from cubeserve.serving.repository import build_version_repository
+    from cubeserve.serving.repository import INSTANCE_KINDS, build_version_repository
 
-    if instance_kind not in INSTANCE_KINDS:
+    if instance_kind not in INSTANCE_KINDS:  # before anything is downloaded
         raise ValueError(f"instance_kind must be one of {', '.join(INSTANCE_KINDS)}, got {instance_kind!r}")
     validation = _integral(validation)
     existing = store_versions(model_store)
