@@ -52,7 +52,7 @@ def _load_kserve_models():
 kserve_models = _load_kserve_models()
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ("canary", "raw-canary", "ab", "cpu")
+OVERLAYS = ("canary", "raw", "ab", "cpu")
 # Reference data beside the repository (not part of it): tests that use it skip without it.
 KSERVE_CRDS = REPO.parent / "shared" / "kserve-crds"
 

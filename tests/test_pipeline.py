@@ -188,7 +188,7 @@ def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_be
 
     isvc_path = "/apis/serving.kserve.io/v1beta1/namespaces/models/inferenceservices/cube3d"
     cm_path = "/api/v1/namespaces/models/configmaps/cube3d-versions"
-    configmap = find(render("raw-canary"), "ConfigMap")
+    configmap = find(render("raw"), "ConfigMap")
     configmap["metadata"].update(namespace="models", resourceVersion="7")
     configmap["data"] = {"baseUri": MODEL_STORE, "versions": "1"}
     isvc = raw(with_canary=False)
