@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from cubeserve import deploy
-from cubeserve.rollout import Registry, canary_name, rollout_state
+from cubeserve.rollout import VersionRegistry
 from k8s_validation import (KSERVE_CRDS, KUBERNETES_VERSION, OVERLAYS, REPO, crd_errors, dockerfile_instructions, find,
                             load_crd_schemas, render, validate)
 
@@ -33,8 +33,16 @@ def runtime_container(objects):
     return container
 
 
-def registry(objects) -> Registry:
-    return Registry.from_configmap(find(objects, "ConfigMap", "cube3d-versions"))
+def registry(objects) -> VersionRegistry:
+    return VersionRegistry.from_configmap(find(objects, "ConfigMap", "cube3d-versions"))
+
+
+def raw_with_canary() -> dict:
+    """The raw overlay's InferenceService with the canary `cubeserve rollout canary` adds."""
+    from cubeserve.rollout import merge_patch, plans
+
+    isvc = find(render("raw"), "InferenceService")
+    return merge_patch(isvc, plans.Raw().start(isvc, "2", "s3://replace-me-model-bucket/cube3d/2/", 10))
 
 
 def kserve_pod(isvc: dict, runtime: dict) -> dict:
@@ -69,7 +77,7 @@ def test_every_overlay_renders_to_valid_objects(overlay):
     name, objects = overlay
     kinds = sorted(o["kind"] for o in objects)
     expected = {"canary": ["ConfigMap", "InferenceService", "ServingRuntime"],
-                "raw-canary": ["ConfigMap", "InferenceService", "ServingRuntime"],
+                "raw": ["ConfigMap", "InferenceService", "ServingRuntime"],
                 "cpu": ["ConfigMap", "InferenceService", "ServingRuntime"],
                 "ab": ["ConfigMap", "InferenceGraph", "InferenceService", "InferenceService", "ServingRuntime"]}
     assert kinds == expected[name]
@@ -128,7 +136,7 @@ def test_the_validator_rejects_bad_runtimes_graphs_and_core_objects():
     configmap = find(objects, "ConfigMap")
     configmap["dat"] = configmap.pop("data")
     assert validate(configmap)
-    isvc = find(render("raw-canary"), "InferenceService")
+    isvc = raw_with_canary()
     isvc["spec"]["canary"][0]["predictor"]["model"].pop("name")
     assert any("model.name is required" in e for e in validate(isvc))
 
@@ -136,7 +144,7 @@ def test_the_validator_rejects_bad_runtimes_graphs_and_core_objects():
 @pytest.mark.skipif(not KSERVE_CRDS.is_dir(), reason="KServe CRDs not beside the repository (../shared/kserve-crds)")
 def test_the_strict_crd_schemas_reject_misspelled_fields():
     schemas = load_crd_schemas(KSERVE_CRDS)
-    isvc = find(render("raw-canary"), "InferenceService")
+    isvc = raw_with_canary()
     isvc["spec"]["canary"][0]["trafficPercnt"] = 10
     isvc["spec"]["canary"][0]["predictor"]["model"].pop("name")
     errors = crd_errors(isvc, schemas)
@@ -292,44 +300,20 @@ def test_storage_uris_are_registry_versions_and_placeholders(overlay):
     reg = registry(objects)
     assert "replace-me" in reg.base_uri
     for isvc in isvcs(objects):
-        uris = [isvc["spec"]["predictor"]["model"].get("storageUri")]
-        uris += [c["predictor"]["model"]["storageUri"] for c in isvc["spec"].get("canary", [])]
-        if name == "cpu":
-            assert uris == [None]  # the model inside the image
-        else:
-            assert all(reg.version_of(u) for u in uris), uris
+        uri = isvc["spec"]["predictor"]["model"].get("storageUri")
+        assert uri is None if name == "cpu" else reg.version_of(uri), uri  # cpu: the model in the image
 
 
-def test_overlay_modes_and_rollout_states():
-    canary = render("canary")
-    isvc = find(canary, "InferenceService")
-    annotations = isvc["metadata"]["annotations"]
-    assert annotations["serving.kserve.io/deploymentMode"] == "Serverless"
-    assert annotations["serving.kserve.io/enable-tag-routing"] == "true"
-    assert isvc["spec"]["predictor"]["canaryTrafficPercent"] == 10
-    state = rollout_state(isvc, registry(canary))
-    assert (state.phase, state.stable, state.canary) == ("stable", "1", None)
-
-    raw = render("raw-canary")
-    isvc = find(raw, "InferenceService")
-    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
-    state = rollout_state(isvc, registry(raw))
-    assert (state.phase, state.stable, state.canary, state.percent) == ("canary", "1", "2", 10)
-    assert isvc["spec"]["canary"][0]["predictor"]["name"] == canary_name("2")
-
-    ab = render("ab")
-    versions = []
-    for arm in isvcs(ab):
-        assert arm["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
-        versions.append(rollout_state(arm, registry(ab)).stable)
-    assert sorted(versions) == ["1", "2"]
-    graph = find(ab, "InferenceGraph")
-    assert graph["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
-    assert graph["spec"]["nodes"]["root"]["routerType"] == "Splitter"
-    assert [s["weight"] for s in graph["spec"]["nodes"]["root"]["steps"]] == [80, 20]
-
-    cpu = find(render("cpu"), "InferenceService")
-    assert cpu["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+def test_overlays_carry_no_rollout_owned_fields(overlay):
+    """One writer per field: the rollout fields are `cubeserve rollout`'s (tests/test_rollout.py
+    shows an overlay applied again after a promote does not move traffic); the overlays set up
+    the service and its first version only."""
+    _, objects = overlay
+    for isvc in isvcs(objects):
+        assert "canary" not in isvc["spec"]
+        assert {"canaryTrafficPercent", "name"}.isdisjoint(isvc["spec"]["predictor"])
+        assert "cube-serve.io/stable-version" not in isvc["metadata"].get("annotations", {})
+        assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] in ("Serverless", "RawDeployment")
 
 
 def test_base_is_the_gpu_deployment_without_a_mode():
@@ -350,8 +334,9 @@ def test_the_mlflow_registry_manifest_is_valid():
 
 def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
     """k8s/pipeline/: the ServiceAccount, Role and RoleBinding the pipeline's steps run as.
-    They read and patch the InferenceService and the ConfigMap of the versions (package,
-    roll_out, the exit handler: cubeserve.pipeline.serving, cubeserve.rollout.Cluster), no more."""
+    They read and patch the InferenceService and the ConfigMap of the versions, and read what
+    the rollout's state and preflight read (package, roll_out, the exit handler:
+    cubeserve.pipeline.serving, cubeserve.rollout.Cluster), no more."""
     from cubeserve import rollout
     from k8s_validation import _rendered
 
@@ -359,11 +344,15 @@ def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
     for obj in objects:
         assert validate(obj) == [], (obj["kind"], validate(obj))
     account, role, binding = (find(objects, kind) for kind in ("ServiceAccount", "Role", "RoleBinding"))
-    rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r["resourceNames"])): sorted(r["verbs"])
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r.get("resourceNames", ()))): sorted(r["verbs"])
              for r in role["rules"]}
     assert rules == {
-        ((rollout.GROUP,), (rollout.ISVC_API[1],), (rollout.DEFAULT_ISVC,)): ["get", "patch"],
+        ((rollout.cluster.GROUP,), (rollout.ISVC_API[1],), (rollout.cluster.DEFAULT_ISVC,)): ["get", "patch"],
         (("",), ("configmaps",), (rollout.VERSIONS_CONFIGMAP,)): ["get", "patch"],
+        # The preflight: the runtime the InferenceService names exists.
+        ((rollout.cluster.GROUP,), ("servingruntimes",), ("cube-serve-triton",)): ["get"],
+        # Serverless state: the storageUri of each revision the status names.
+        (("serving.knative.dev",), ("revisions",), ()): ["get"],
     }
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
