@@ -1,70 +1,83 @@
-"""`cubeserve rollout`: the state transitions as pure functions of the objects that k8s/ renders,
-the patches they make (valid objects, exactly the fields KServe documents), refusals that change
-nothing, idempotency, and the command line against objects held in memory."""
+"""`cubeserve rollout` against stand-ins for the API server and KServe's controller
+(tests/kserve_standin.py, which cites the KServe, Knative and Kubernetes source it follows):
+readiness and traffic read from the status KServe writes, promote without a restart, rollbacks
+that never send all the traffic to the version being rolled back, drift reported as drift, one
+writer per field, the preflight against each KServe release's CRDs, and the command line, in
+memory and over HTTP with the real `kubernetes` client."""
 
 from __future__ import annotations
 
 import argparse
 import copy
 import io
+import json
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
 
 from cubeserve import rollout as r
-from k8s_validation import KSERVE_CRDS, crd_errors, find, load_crd_schemas, render, validate
+from cubeserve.rollout import cli, plans
+from cubeserve.rollout.preflight import ClusterFacts, check
+from k8s_validation import KSERVE_CRDS, crd_errors, find, render, validate
+from kserve_standin import ApiError, KServeController, ObjectStore
 
 BASE = "s3://replace-me-model-bucket/cube3d"
-REGISTRY = r.Registry(BASE, ("1", "2", "3"))
+REGISTRY = r.VersionRegistry(BASE, ("1", "2", "3"))
+RELEASES = ("v0.14.0", "v0.15.0", "v0.16.0", "v0.19.0", "v0.20.0")
+
+try:  # TEMPORARY until k8s_validation has it
+    from k8s_validation import require_crds
+except ImportError:
+    from functools import lru_cache
+
+    from k8s_validation import load_crd_schemas
+
+    @lru_cache(maxsize=None)
+    def require_crds(release):
+        return load_crd_schemas(KSERVE_CRDS / "by-release" / release)
 
 
-def serverless() -> dict:
-    isvc = find(render("canary"), "InferenceService")
-    isvc["metadata"].update(namespace="models", resourceVersion="100", generation=1)
+def overlay_isvc(overlay: str) -> dict:
+    isvc = find(render(overlay), "InferenceService")
+    isvc["metadata"]["namespace"] = "models"
     return isvc
 
 
-def raw(with_canary: bool = True) -> dict:
-    isvc = find(render("raw-canary"), "InferenceService")
-    isvc["metadata"].update(namespace="models", resourceVersion="200", generation=1)
-    if not with_canary:
-        del isvc["spec"]["canary"]
-    return isvc
+class World:
+    """One InferenceService: the API server's copy (created by `kubectl apply --server-side` of
+    an overlay) and KServe's controller, with the first revision or Deployment ready."""
 
+    def __init__(self, overlay: str = "canary", isvc: dict | None = None):
+        self.overlay = overlay_isvc(overlay) if isvc is None else isvc
+        self.store = ObjectStore(self.overlay, manager="kubectl", operation="Apply")
+        self.kserve = KServeController(self.store)
+        self.kserve.reconcile()
+        self.kserve.start_pods()
 
-def graph() -> dict:
-    ab = find(render("ab"), "InferenceGraph")
-    ab["metadata"].update(namespace="models", resourceVersion="300")
-    return ab
+    @property
+    def isvc(self) -> dict:
+        return self.store.get()
 
+    def state(self) -> r.RolloutState:
+        return r.rollout_state(self.isvc, REGISTRY, self.kserve.revision_uris())
 
-def apply(obj: dict, plan: r.Plan) -> dict:
-    """What the API server stores after the patch, with the generation KServe's controller
-    has not observed yet."""
-    assert plan.changed
-    assert plan.patch["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"]
-    after = r.merge_patch(obj, plan.patch)
-    after["metadata"]["resourceVersion"] = str(int(obj["metadata"]["resourceVersion"]) + 1)
-    after["metadata"]["generation"] = obj["metadata"].get("generation", 1) + 1
-    return after
+    def plan(self, action: str, *args, **kwargs) -> r.Plan:
+        planner = {"canary": r.plan_canary, "promote": r.plan_promote, "rollback": r.plan_rollback}[action]
+        return planner(self.isvc, REGISTRY, *args, revisions=self.kserve.revision_uris(), **kwargs)
 
+    def send(self, plan: r.Plan, reconcile: bool = True) -> dict:
+        """The patch as `Cluster.patch` sends it; KServe reconciles (unless it lags)."""
+        assert plan.changed
+        self.store.update(plan.patch, r.FIELD_MANAGER)
+        if reconcile:
+            self.kserve.reconcile()
+        return self.isvc
 
-def reconciled(isvc: dict, ready: bool = True) -> dict:
-    """The status KServe writes once it caught up with the spec: a new revision (Serverless) or
-    the canary deployment (RawDeployment), ready or not."""
-    isvc = copy.deepcopy(isvc)
-    generation = isvc["metadata"]["generation"]
-    status = {"observedGeneration": generation}
-    if r.deployment_mode(isvc) == r.SERVERLESS:
-        created = f"cube3d-predictor-{generation:05d}"
-        status["components"] = {"predictor": {
-            "latestCreatedRevision": created,
-            "latestReadyRevision": created if ready else f"cube3d-predictor-{generation - 1:05d}"}}
-    else:
-        status["canaryStatuses"] = [{"name": c["predictor"]["name"], "ready": ready, "trafficPercent": c["trafficPercent"]}
-                                    for c in isvc["spec"].get("canary", [])]
-    isvc["status"] = status
-    return isvc
+    def do(self, action: str, *args, **kwargs) -> r.Plan:
+        plan = self.plan(action, *args, **kwargs)
+        self.send(plan)
+        return plan
 
 
 def leaves(patch: dict, prefix: str = "") -> set[str]:
@@ -76,226 +89,360 @@ def leaves(patch: dict, prefix: str = "") -> set[str]:
     return paths
 
 
-@pytest.fixture(scope="module")
-def crd_schemas():
-    return load_crd_schemas(KSERVE_CRDS) if KSERVE_CRDS.is_dir() else None
+def assert_valid(isvc: dict, releases=RELEASES) -> None:
+    assert validate(isvc) == []
+    for release in releases:
+        assert crd_errors(isvc, require_crds(release)) == [], release
 
 
-def assert_valid(obj: dict, crd_schemas) -> None:
-    assert validate(obj) == []
-    if crd_schemas is not None:
-        assert crd_errors(obj, crd_schemas) == []
+# -- Serverless: canaryTrafficPercent --------------------------------------------------------------
 
+def test_serverless_canary_share_and_promote_without_a_restart():
+    world = World("canary")
+    assert world.state().phase == "stable" and world.state().stable == "1"
+    assert world.kserve.serving() == [(f"{BASE}/1/", 100)]
 
-# -- Serverless: canaryTrafficPercent ----------------------------------------------------------------
+    plan = world.plan("canary", "2", 10)
+    assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.predictor.canaryTrafficPercent",
+                                  "spec.predictor.model.storageUri"}
+    assert plan.changes == ("spec.predictor.canaryTrafficPercent: (unset) -> 10",
+                            f"spec.predictor.model.storageUri: {BASE}/1/ -> {BASE}/2/")
+    world.send(plan)
+    assert_valid(world.isvc)
+    state = world.state()
+    assert (state.phase, state.stable, state.canary, state.percent, state.ready) == ("canary", "1", "2", 10, False)
+    # Knative routes the canary's share to the latest *ready* revision: still version 1.
+    assert world.kserve.serving() == [(f"{BASE}/1/", 10), (f"{BASE}/1/", 90)]
+    with pytest.raises(r.NotReady):
+        world.plan("promote")
 
-def test_serverless_canary_promote(crd_schemas):
-    isvc = serverless()
-    plan = r.plan_canary(isvc, REGISTRY, "2", 10)
-    # KServe's documented canary: a new storageUri and canaryTrafficPercent; the stable version
-    # goes into the annotation in the same patch (one new revision either way).
-    assert leaves(plan.patch) == {"metadata.resourceVersion", f"metadata.annotations.{r.STABLE_ANNOTATION}",
-                                  "spec.predictor.canaryTrafficPercent", "spec.predictor.model.storageUri"}
-    assert plan.patch["spec"]["predictor"] == {"canaryTrafficPercent": 10, "model": {"storageUri": f"{BASE}/2/"}}
-    assert plan.changes == (f"spec.predictor.model.storageUri: {BASE}/1/ -> {BASE}/2/",)  # 10% and "1" were there
-    canary = apply(isvc, plan)
-    assert_valid(canary, crd_schemas)
-    state = r.rollout_state(canary, REGISTRY)
-    assert (state.phase, state.stable, state.canary, state.percent) == ("canary", "1", "2", 10)
+    world.kserve.start_pods()
+    state = world.state()
+    assert state.ready and [(t.version, t.percent, t.tag) for t in state.traffic] == [("2", 10, "latest"), ("1", 90, "prev")]
+    starts = len(world.kserve.model_starts)
 
-    # More traffic to the same canary: only the percentage (no new revision).
-    plan = r.plan_canary(reconciled(canary), REGISTRY, "2", 50)
-    assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.predictor.canaryTrafficPercent"}
+    plan = world.do("canary", "2", 50)  # more traffic: the percentage only, no new revision
     assert plan.changes == ("spec.predictor.canaryTrafficPercent: 10 -> 50",)
-    canary = apply(reconciled(canary), plan)
-    assert not r.plan_canary(canary, REGISTRY, "2", 50).changed  # idempotent
+    assert not world.plan("canary", "2", 50).changed  # idempotent
 
-    # Promote: remove canaryTrafficPercent, once the canary's revision is ready.
-    with pytest.raises(r.NotReady):
-        r.plan_promote(canary, REGISTRY)  # KServe has not caught up with the last patch
-    with pytest.raises(r.NotReady):
-        r.plan_promote(reconciled(canary, ready=False), REGISTRY)
-    plan = r.plan_promote(reconciled(canary), REGISTRY)
+    plan = world.do("promote")
     assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": None}}
-    assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.predictor.canaryTrafficPercent"}
-    promoted = apply(reconciled(canary), plan)
-    assert_valid(promoted, crd_schemas)
-    state = r.rollout_state(promoted, REGISTRY)
-    assert (state.phase, state.stable) == ("stable", "2")
-    assert not r.plan_promote(promoted, REGISTRY).changed
-    assert not r.plan_rollback(promoted, REGISTRY).changed
+    assert world.kserve.serving() == [(f"{BASE}/2/", 100)]
+    assert len(world.kserve.model_starts) == starts  # a route change: nothing restarted
+    state = world.state()
+    assert (state.phase, state.stable, state.drift) == ("stable", "2", ())
+    assert not world.plan("promote").changed and not world.plan("rollback").changed
 
-    # The next canary starts from version 2 and would roll back to it.
-    plan = r.plan_canary(promoted, REGISTRY, "3", 5)
-    assert plan.patch["metadata"]["annotations"][r.STABLE_ANNOTATION] == "2"
-    assert r.rollout_state(apply(promoted, plan), REGISTRY).stable_uri == f"{BASE}/2/"
+    # The next canary rolls back to version 2, the revision KServe rolled out last.
+    world.do("canary", "3", 5)
+    assert world.state().stable_uri == f"{BASE}/2/"
 
 
-def test_serverless_rollback_pins_the_old_revision_then_finishes(crd_schemas):
-    canary = reconciled(apply(serverless(), r.plan_canary(serverless(), REGISTRY, "2", 25)))
-    plan = r.plan_rollback(canary, REGISTRY)
-    # All traffic to the last rolled-out revision at once (canaryTrafficPercent 0) while the spec
-    # goes back to version 1.
-    assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": 0, "model": {"storageUri": f"{BASE}/1/"}}}
-    pinned = apply(canary, plan)
-    assert_valid(pinned, crd_schemas)
-    assert r.rollout_state(pinned, REGISTRY).phase == "rolling-back"
-    with pytest.raises(r.RolloutError, match="rollback"):
-        r.plan_canary(pinned, REGISTRY, "3", 10)  # unfinished
-    with pytest.raises(r.RolloutError, match="rollback"):
-        r.plan_promote(reconciled(pinned), REGISTRY)
-    with pytest.raises(r.NotReady):
-        r.plan_rollback(reconciled(pinned, ready=False), REGISTRY)
-    plan = r.plan_rollback(reconciled(pinned), REGISTRY)
-    assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": None}}
-    done = apply(reconciled(pinned), plan)
-    assert_valid(done, crd_schemas)
-    state = r.rollout_state(done, REGISTRY)
-    assert (state.phase, state.stable) == ("stable", "1")
-    assert not r.plan_rollback(done, REGISTRY).changed
-    # --force skips the readiness check.
-    assert r.plan_rollback(reconciled(pinned, ready=False), REGISTRY, force=True).changed
+def test_a_status_that_lags_the_spec_is_not_taken_for_the_new_revision():
+    world = World("canary")
+    world.kserve.start_pods()
+    world.send(world.plan("canary", "2", 10), reconcile=False)  # KServe has not seen the patch yet
+    state = world.state()
+    assert (state.phase, state.canary, state.ready) == ("canary", "2", None)
+    with pytest.raises(r.NotReady, match="not been made by KServe yet"):
+        world.plan("promote")
+    assert world.plan("promote", force=True).changed  # --force skips the check
+
+
+def test_serverless_rollback_with_wait_never_gives_the_canary_all_the_traffic(monkeypatch):
+    world = World("canary")
+    world.do("canary", "2", 25)
+    world.kserve.start_pods()
+    # The Knative Service's generation (which KServe reports as status.observedGeneration) runs
+    # ahead of the InferenceService's whenever KServe re-renders it: make the two equal right
+    # after the rollback's first patch, so a check of generation == observedGeneration would take
+    # the stale status (latest created = latest ready = the version-2 revision) for the reverted
+    # revision, and finish the rollback by sending 100% to version 2.
+    while world.isvc["status"]["observedGeneration"] < world.isvc["metadata"]["generation"] + 1:
+        world.kserve.bump_ksvc()
+    cluster = FakeCluster(world, lag_gets=2, pods_after_gets=5)
+    code, out = run(cluster, monkeypatch, "rollback", "--wait", "600")
+    assert code == 0, out
+    assert cluster.lagged_generations_matched  # the trap was set
+    assert [p["spec"]["predictor"] for p in cluster.patches] == [
+        {"canaryTrafficPercent": 0, "model": {"storageUri": f"{BASE}/1/"}}, {"canaryTrafficPercent": None}]
+    assert "waiting:" in out and "finish the rollback" in out
+    assert all((f"{BASE}/2/", 100) not in served for served in world.kserve.traffic_history[-8:])
+    assert world.kserve.serving() == [(f"{BASE}/1/", 100)]
+    assert (world.state().phase, world.state().stable) == ("stable", "1")
+    # Without --wait: the first call pins, a second (once ready) finishes, a third has nothing to do.
+    world = World("canary")
+    world.do("canary", "2", 25)
+    world.kserve.start_pods()
+    cluster = FakeCluster(world)
+    assert run(cluster, monkeypatch, "rollback")[0] == 0 and len(cluster.patches) == 1
+    assert world.state().phase == "rolling-back"
+    assert run(cluster, monkeypatch, "rollback")[0] == 3  # the reverted revision is not ready
+    world.kserve.start_pods()
+    assert run(cluster, monkeypatch, "rollback")[0] == 0 and len(cluster.patches) == 2
+    code, out = run(cluster, monkeypatch, "rollback")
+    assert code == 0 and len(cluster.patches) == 2 and "nothing to roll back" in out
 
 
 def test_serverless_rollback_of_a_canary_at_100_percent_rolls_forward_to_stable():
-    canary = apply(serverless(), r.plan_canary(serverless(), REGISTRY, "2", 100))
-    plan = r.plan_rollback(canary, REGISTRY)
+    world = World("canary")
+    world.do("canary", "2", 100)
+    world.kserve.start_pods()
+    # KServe counts a revision with 100% as rolled out; the stable version is the one before.
+    assert world.isvc["status"]["components"]["predictor"]["latestRolledoutRevision"].endswith("00002")
+    state = world.state()
+    assert (state.phase, state.stable, state.canary, state.percent) == ("canary", "1", "2", 100)
+    plan = world.do("rollback")
     assert plan.patch["spec"] == {"predictor": {"canaryTrafficPercent": None, "model": {"storageUri": f"{BASE}/1/"}}}
-    assert r.rollout_state(apply(canary, plan), REGISTRY).stable == "1"
+    state = world.state()
+    assert (state.phase, state.drift) == ("updating", ())  # written by cubeserve rollout: no drift
+    assert world.kserve.serving() == [(f"{BASE}/2/", 100)]  # until version 1's new revision is ready
+    world.kserve.start_pods()
+    assert world.kserve.serving() == [(f"{BASE}/1/", 100)]
+    assert (world.state().phase, world.state().stable) == ("stable", "1")
 
 
 def test_serverless_canary_turns_on_tag_routing():
-    isvc = serverless()
-    del isvc["metadata"]["annotations"][r.TAG_ROUTING_ANNOTATION]
-    del isvc["spec"]["predictor"]["canaryTrafficPercent"]
-    plan = r.plan_canary(isvc, REGISTRY, "2", 10)
-    assert plan.patch["metadata"]["annotations"][r.TAG_ROUTING_ANNOTATION] == "true"
-    assert "spec.predictor.canaryTrafficPercent: (unset) -> 10" in plan.changes
+    isvc = overlay_isvc("canary")
+    del isvc["metadata"]["annotations"][plans.TAG_ROUTING_ANNOTATION]
+    world = World(isvc=isvc)
+    plan = world.do("canary", "2", 10)
+    assert plan.patch["metadata"]["annotations"][plans.TAG_ROUTING_ANNOTATION] == "true"
+    world.kserve.start_pods()
+    assert [t.tag for t in world.state().traffic] == ["latest", "prev"]
 
 
-# -- RawDeployment: spec.canary[] --------------------------------------------------------------------
+# -- one writer per field: an overlay applied again after a promote ---------------------------------
 
-def test_raw_canary_start_share_promote(crd_schemas):
-    stable = raw(with_canary=False)
-    plan = r.plan_canary(stable, REGISTRY, "2", 10)
-    # One spec.canary entry, merged over the stable predictor by KServe: only the version differs.
+def test_applying_the_overlay_server_side_after_a_promote_moves_no_traffic():
+    world = World("canary")
+    world.do("canary", "2", 10)
+    world.kserve.start_pods()
+    world.do("promote")
+    before = world.isvc
+    # `kubectl apply --server-side -k k8s/overlays/canary` (field manager kubectl): the overlay
+    # still says version 1, a field cubeserve-rollout wrote last: the API server refuses.
+    with pytest.raises(ApiError) as refused:
+        world.store.apply(world.overlay, manager="kubectl")
+    assert refused.value.status == 409
+    assert 'conflict with "cubeserve-rollout": .spec.predictor.model.storageUri' in refused.value.message
+    assert world.isvc == before and world.kserve.serving() == [(f"{BASE}/2/", 100)]
+    # With the overlay's storageUri at the serving version, other changes apply (shared field).
+    updated = copy.deepcopy(world.overlay)
+    updated["spec"]["predictor"]["model"]["storageUri"] = f"{BASE}/2/"
+    updated["spec"]["predictor"]["model"]["resources"]["limits"]["cpu"] = "12"
+    world.store.apply(updated, manager="kubectl")
+    world.kserve.reconcile()
+    assert world.isvc["spec"]["predictor"]["model"]["resources"]["limits"]["cpu"] == "12"
+    assert world.state().stable == "2" and world.state().drift == ()
+
+
+def test_applying_the_overlay_client_side_after_a_promote_is_reported_as_drift(monkeypatch):
+    world = World("canary")
+    world.do("canary", "2", 10)
+    world.kserve.start_pods()
+    world.do("promote")
+    # Plain `kubectl apply -k` (client-side): kubectl's three-way merge sets every field whose
+    # value in the overlay differs from the live object (k8s.io/kubectl pkg/cmd/apply, patcher.go:
+    # jsonmergepatch.CreateThreeWayJSONMergePatch), as an update by kubectl-client-side-apply.
+    world.store.update({"spec": {"predictor": {"model": {"storageUri": f"{BASE}/1/"}}}}, "kubectl-client-side-apply")
+    world.kserve.reconcile()
+    state = world.state()
+    assert state.phase == "updating" and state.phase != "stable"
+    assert len(state.drift) == 1 and "kubectl-client-side-apply" in state.drift[0] and "without a canary" in state.drift[0]
+    with pytest.raises(r.RolloutError, match="kubectl-client-side-apply"):
+        world.plan("canary", "3", 10)
+    code, out = run(FakeCluster(world), monkeypatch, "status")
+    assert code == cli.DRIFT and "DRIFT: spec.predictor.model.storageUri was changed by kubectl-client-side-apply" in out
+
+
+# -- RawDeployment: spec.canary[] (KServe v0.20) ---------------------------------------------------------
+
+def test_raw_canary_and_promote_without_a_restart():
+    world = World("raw")
+    assert (world.state().phase, world.state().stable, world.state().ready) == ("stable", "1", True)
+    plan = world.plan("canary", "2", 0)
     assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.canary"}
     assert plan.patch["spec"]["canary"] == [{
         "predictor": {"name": "v2", "model": {"name": "kserve-container", "modelFormat": {"name": "triton"},
                                               "storageUri": f"{BASE}/2/"}},
-        "trafficPercent": 10}]
-    canary = apply(stable, plan)
-    assert_valid(canary, crd_schemas)
-    # The overlay k8s/overlays/raw-canary is exactly this state.
-    assert canary["spec"] == raw()["spec"]
-
-    plan = r.plan_canary(canary, REGISTRY, "2", 40)
-    assert plan.changes == ("spec.canary[0].trafficPercent: 10 -> 40",)
-    canary = apply(canary, plan)
-    assert not r.plan_canary(canary, REGISTRY, "2", 40).changed
-
+        "trafficPercent": 0}]
+    world.send(plan)
+    assert_valid(world.isvc, releases=("v0.20.0",))
+    assert set(world.kserve.deployments) == {"cube3d-predictor", "cube3d-v2-predictor"}
     with pytest.raises(r.NotReady):
-        r.plan_promote(reconciled(canary, ready=False), REGISTRY)
-    plan = r.plan_promote(reconciled(canary), REGISTRY)
-    # The stable predictor takes the canary's version; the canary goes.
-    assert plan.patch["spec"] == {"predictor": {"model": {"storageUri": f"{BASE}/2/"}}, "canary": None}
-    promoted = apply(reconciled(canary), plan)
-    assert_valid(promoted, crd_schemas)
-    assert "canary" not in promoted["spec"]
-    assert r.rollout_state(promoted, REGISTRY).stable == "2"
-    assert not r.plan_promote(promoted, REGISTRY).changed
+        world.plan("promote")
+    world.kserve.start_pods("cube3d-v2-predictor")
+    isvc = world.isvc
+    # KServe reports the stable Deployment's observedGeneration: it never catches up with the
+    # InferenceService's generation after a canary, so readiness cannot be read from it.
+    assert isvc["status"]["observedGeneration"] != isvc["metadata"]["generation"]
+    assert world.state().ready
+    starts = list(world.kserve.model_starts)
+
+    plan = world.do("promote")
+    assert plan.patch["spec"] == {"predictor": {"name": "v2", "model": {"storageUri": f"{BASE}/2/"}}, "canary": None}
+    assert_valid(world.isvc, releases=("v0.20.0",))
+    assert world.kserve.model_starts == starts  # the canary's Deployment is now the stable one
+    assert world.kserve.deleted == ["cube3d-predictor"]
+    assert world.kserve.serving() == [(f"{BASE}/2/", 100)]
+    state = world.state()
+    assert (state.phase, state.stable, state.ready, state.drift) == ("stable", "2", True, ())
+
+    world.do("canary", "3", 0)
+    world.kserve.start_pods()
+    world.do("promote")
+    assert world.isvc["spec"]["predictor"]["name"] == "v3" and world.kserve.deleted[-1] == "cube3d-v2-predictor"
+    assert world.kserve.model_starts == [*starts, "cube3d-v3-predictor"]
 
 
-def test_raw_rollback_drops_the_canary(crd_schemas):
-    plan = r.plan_rollback(raw(), REGISTRY)  # no readiness needed to go back
+def test_raw_share_and_rollback():
+    world = World("raw")
+    world.do("canary", "2", 10)
+    plan = world.do("canary", "2", 40)
+    assert plan.changes == ("spec.canary[0].trafficPercent: 10 -> 40",)
+    assert not world.plan("canary", "2", 40).changed
+    plan = world.do("rollback")  # no readiness needed to go back
     assert plan.patch["spec"] == {"canary": None}
-    back = apply(raw(), plan)
-    assert_valid(back, crd_schemas)
-    assert back["spec"]["predictor"] == raw()["spec"]["predictor"]
-    assert not r.plan_rollback(back, REGISTRY).changed
+    assert world.kserve.deleted == ["cube3d-v2-predictor"] and world.isvc["spec"]["predictor"] == world.overlay["spec"]["predictor"]
+    assert world.state().phase == "stable" and not world.plan("rollback").changed
+
+
+def test_raw_overlay_applied_client_side_after_a_promote_is_drift():
+    world = World("raw")
+    world.do("canary", "2", 0)
+    world.kserve.start_pods()
+    world.do("promote")
+    world.store.update({"spec": {"predictor": {"model": {"storageUri": f"{BASE}/1/"}}}}, "kubectl-client-side-apply")
+    state = world.state()
+    assert state.drift and "the stable predictor v2 has the storageUri of version 1" in state.drift[0]
+    with pytest.raises(r.RolloutError, match="kubectl-client-side-apply"):
+        world.plan("canary", "3", 0)
+
+
+def test_raw_canaries_need_kserve_0_20():
+    world = World("raw")
+    canary = r.merge_patch(world.isvc, world.plan("canary", "2", 0).patch)
+    promoted = r.merge_patch(world.isvc, {"spec": {"predictor": {"name": "v2"}}})
+    for release in RELEASES:
+        schema = require_crds(release)[("serving.kserve.io/v1beta1", "InferenceService")]
+        errors, _ = check(world.isvc, world.plan("canary", "2", 0).patch, ClusterFacts(schema, "cube-serve-triton", True),
+                          r.RAW)
+        if release == "v0.20.0":
+            assert errors == [] and crd_errors(canary, require_crds(release)) == []
+        else:  # the API server would prune spec.canary and spec.predictor.name
+            assert errors and "no field spec.canary (added in KServe v0.20.0)" in errors[0]
+            assert any("canary" in e for e in crd_errors(canary, require_crds(release)))
+            assert any("name" in e for e in crd_errors(promoted, require_crds(release)))
+
+
+def test_preflight_checks_runtime_and_gateway_api():
+    world = World("raw")
+    schema = require_crds("v0.20.0")[("serving.kserve.io/v1beta1", "InferenceService")]
+    share = world.plan("canary", "2", 10).patch
+    dark = world.plan("canary", "2", 0).patch
+    facts = ClusterFacts(schema, "cube-serve-triton", True, gateway_api=False)
+    assert check(world.isvc, dark, facts, r.RAW) == ([], [])
+    errors, _ = check(world.isvc, share, facts, r.RAW)
+    assert "plain Ingress" in errors[0] and "--percent 0" in errors[0]
+    errors, _ = check(world.isvc, share, ClusterFacts(schema, "cube-serve-triton", True, gateway_api=None), r.RAW)
+    assert "inferenceservice-config" in errors[0]
+    errors, notes = check(world.isvc, share, ClusterFacts(schema, "cube-serve-triton", True, gateway_api=True), r.RAW)
+    assert errors == [] and "v0.20.0 uses trafficPercent only to size" in notes[0]
+    errors, _ = check(world.isvc, dark, ClusterFacts(schema, "cube-serve-triton", False), r.RAW)
+    assert "ServingRuntime cube-serve-triton does not exist" in errors[0]
+    errors, notes = check(world.isvc, dark, ClusterFacts(None, "cube-serve-triton", True), r.RAW)
+    assert errors == [] and "strict field validation" in notes[0]
 
 
 def test_the_modes_come_from_status_then_annotation():
-    isvc = raw()
+    isvc = overlay_isvc("raw")
     assert r.deployment_mode(isvc) == r.RAW
-    isvc["metadata"]["annotations"][r.MODE_ANNOTATION] = "Standard"  # KServe's newer name
+    isvc["metadata"]["annotations"][r.state.MODE_ANNOTATION] = "Standard"  # KServe's newer name
     assert r.deployment_mode(isvc) == r.RAW
     isvc["status"] = {"deploymentMode": "Knative"}  # what KServe resolved wins
     assert r.deployment_mode(isvc) == r.SERVERLESS
     assert r.deployment_mode(isvc, "raw") == r.RAW  # --mode
-    del isvc["status"], isvc["metadata"]["annotations"][r.MODE_ANNOTATION], isvc["spec"]["canary"]
+    del isvc["status"], isvc["metadata"]["annotations"][r.state.MODE_ANNOTATION]
     with pytest.raises(r.RolloutError, match="deployment mode"):
         r.rollout_state(isvc, REGISTRY)
-    isvc["metadata"]["annotations"][r.MODE_ANNOTATION] = "ModelMesh"
+    isvc["metadata"]["annotations"][r.state.MODE_ANNOTATION] = "ModelMesh"
     with pytest.raises(r.RolloutError, match="not supported"):
         r.rollout_state(isvc, REGISTRY)
 
 
 # -- refusals: clear errors, nothing changed ----------------------------------------------------------
 
-@pytest.mark.parametrize("make", [serverless, raw])
+@pytest.mark.parametrize("overlay", ["canary", "raw"])
 @pytest.mark.parametrize("version, percent, message", [
     ("2", -1, "0 to 100"), ("2", 101, "0 to 100"), ("2", 12.5, "0 to 100"), ("2", True, "0 to 100"),
     ("2", "10", "0 to 100"), ("9", 10, "unknown version '9'"), ("V2!", 10, "invalid version"),
 ])
-def test_bad_canary_arguments_are_refused(make, version, percent, message):
-    isvc = make()
-    before = copy.deepcopy(isvc)
+def test_bad_canary_arguments_are_refused(overlay, version, percent, message):
+    world = World(overlay)
+    before = world.isvc
     with pytest.raises(r.RolloutError, match=message):
-        r.plan_canary(isvc, REGISTRY, version, percent)
-    assert isvc == before
+        world.plan("canary", version, percent)
+    assert world.isvc == before
 
 
-def test_a_rollout_while_another_is_unfinished_is_refused():
-    for isvc in (raw(), apply(serverless(), r.plan_canary(serverless(), REGISTRY, "2", 10))):
-        before = copy.deepcopy(isvc)
-        with pytest.raises(r.RolloutError, match="canary of version 2 .* in progress"):
-            r.plan_canary(isvc, REGISTRY, "3", 10)
-        assert isvc == before
+@pytest.mark.parametrize("overlay", ["canary", "raw"])
+def test_a_rollout_while_another_is_unfinished_is_refused(overlay):
+    world = World(overlay)
     with pytest.raises(r.RolloutError, match="already the stable version"):
-        r.plan_canary(serverless(), REGISTRY, "1", 10)
-    two = raw()
-    two["spec"]["canary"].append(copy.deepcopy(two["spec"]["canary"][0]))
-    with pytest.raises(r.RolloutError, match="2 canaries"):
-        r.plan_promote(two, REGISTRY)
+        world.plan("canary", "1", 10)
+    world.do("canary", "2", 0)
+    with pytest.raises(r.RolloutError, match="canary of version 2 .* in progress"):
+        world.plan("canary", "3", 10)
+    if overlay == "raw":
+        two = world.isvc
+        two["spec"]["canary"].append(copy.deepcopy(two["spec"]["canary"][0]))
+        with pytest.raises(r.RolloutError, match="2 canaries"):
+            r.plan_promote(two, REGISTRY)
 
 
 def test_services_outside_the_registry_are_refused():
-    cpu = find(render("cpu"), "InferenceService")
     with pytest.raises(r.RolloutError, match="no storageUri"):
-        r.plan_canary(cpu, REGISTRY, "2", 10)
-    other = raw(with_canary=False)
-    other["spec"]["predictor"]["model"]["storageUri"] = "gs://elsewhere/model"
+        World("cpu").plan("canary", "2", 10)
+    isvc = overlay_isvc("raw")
+    isvc["spec"]["predictor"]["model"]["storageUri"] = "gs://elsewhere/model"
     with pytest.raises(r.RolloutError, match="not a version of the registry"):
-        r.plan_canary(other, REGISTRY, "2", 10)
+        World(isvc=isvc).plan("canary", "2", 10)
 
 
 def test_the_registry_comes_from_its_configmap():
     configmap = find(render("canary"), "ConfigMap", r.VERSIONS_CONFIGMAP)
-    assert r.Registry.from_configmap(configmap) == r.Registry(BASE, ("1", "2"))
+    assert r.VersionRegistry.from_configmap(configmap) == r.VersionRegistry(BASE, ("1", "2"))
     configmap["data"]["versions"] = "1, 2,3 3\n4"
-    assert r.Registry.from_configmap(configmap).versions == ("1", "2", "3", "4")
+    assert r.VersionRegistry.from_configmap(configmap).versions == ("1", "2", "3", "4")
     assert REGISTRY.version_of(f"{BASE}/2/") == "2" and REGISTRY.version_of(f"{BASE}/2") == "2" and REGISTRY.version_of(f"{BASE}/9/") is None
     assert REGISTRY.version_of(f"{BASE}x/2") is None
     with pytest.raises(r.RolloutError, match="baseUri"):
-        r.Registry.from_configmap({"data": {"baseUri": "bucket/cube3d", "versions": "1"}})
+        r.VersionRegistry.from_configmap({"data": {"baseUri": "bucket/cube3d", "versions": "1"}})
     with pytest.raises(r.RolloutError, match="not a valid version"):
-        r.Registry.from_configmap({"data": {"baseUri": BASE, "versions": "1 v_2"}})
+        r.VersionRegistry.from_configmap({"data": {"baseUri": BASE, "versions": "1 v_2"}})
 
 
 # -- A/B on the InferenceGraph --------------------------------------------------------------------------
 
-def test_ab_weights(crd_schemas):
+def graph() -> dict:
+    ab = find(render("ab"), "InferenceGraph")
+    ab["metadata"].update(namespace="models", resourceVersion="300")
+    return ab
+
+
+def test_ab_weights():
     ab = graph()
     plan = r.plan_ab(ab, r.parse_weights("A=50,B=50"))
     assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.nodes.root.steps"}
     assert plan.changes == ("spec.nodes.root.steps[0].weight: 80 -> 50", "spec.nodes.root.steps[1].weight: 20 -> 50")
-    after = apply(ab, plan)
-    assert_valid(after, crd_schemas)
+    after = ObjectStore(ab)
+    after.update(plan.patch | {"metadata": {}}, r.FIELD_MANAGER)
+    after = after.get()
+    assert validate(after) == []
     steps = after["spec"]["nodes"]["root"]["steps"]
     assert [(s["name"], s["weight"]) for s in steps] == [("a", 50), ("b", 50)]
     assert [s["serviceUrl"] for s in steps] == [s["serviceUrl"] for s in ab["spec"]["nodes"]["root"]["steps"]]
-    assert after["spec"]["nodes"]["root"]["routerType"] == "Splitter"
     assert not r.plan_ab(after, {"a": 50, "b": 50}).changed
     assert r.plan_ab(after, r.parse_weights("b=100,a=0")).changed
 
@@ -313,8 +460,6 @@ def test_bad_ab_weights_are_refused(weights, message):
     assert ab == before
 
 
-# -- merge patches --------------------------------------------------------------------------------------
-
 def test_merge_patch_is_rfc_7386():
     assert r.merge_patch({"a": "b", "c": {"d": "e", "f": "g"}}, {"a": "z", "c": {"f": None}}) == {"a": "z", "c": {"d": "e"}}
     assert r.merge_patch({"a": [1, 2]}, {"a": [3]}) == {"a": [3]}
@@ -324,7 +469,77 @@ def test_merge_patch_is_rfc_7386():
     assert target == {"x": {"y": 1}}  # a copy
 
 
-# -- the command line, against objects in memory ---------------------------------------------------------
+def test_the_api_server_stand_in_bumps_the_generation_on_spec_changes_only():
+    store = ObjectStore(overlay_isvc("canary"))
+    store.update({"metadata": {"annotations": {"team": "3d"}}}, "someone")
+    store.write_status({"conditions": []})
+    assert store.get()["metadata"]["generation"] == 1 and store.get()["metadata"]["resourceVersion"] == "3"
+    store.update({"spec": {"predictor": {"minReplicas": 2}}}, "someone")
+    assert store.get()["metadata"]["generation"] == 2
+    with pytest.raises(ApiError, match="409"):
+        store.update({"metadata": {"resourceVersion": "1"}, "spec": {"predictor": {"minReplicas": 3}}}, "someone")
+
+
+# -- the command line, against the stand-ins in memory ------------------------------------------------
+
+class FakeCluster:
+    """`Cluster`'s interface over a World: KServe reconciles after `lag_gets` reads following a
+    patch, and the new pods come up after `pods_after_gets` reads (None: never on their own)."""
+
+    def __init__(self, world: World, lag_gets: int = 0, pods_after_gets: int | None = None,
+                 release: str = "v0.20.0", gateway_api: bool | None = True):
+        self.world, self.namespace, self.patches = world, "models", []
+        self.lag_gets, self.pods_after_gets, self.pending, self.gets = lag_gets, pods_after_gets, None, 0
+        self.release, self.gateway_api, self.objects = release, gateway_api, {}
+        self.lagged_generations_matched = False
+
+    def __call__(self, namespace=None, context=None):
+        return self
+
+    def get(self, api, name):
+        if api == r.GRAPH_API:
+            return copy.deepcopy(self.objects[name])
+        self.gets += 1
+        if self.pending is not None:
+            self.pending += 1
+            isvc = self.world.isvc
+            if isvc["metadata"]["generation"] == isvc["status"]["observedGeneration"]:
+                self.lagged_generations_matched = True
+            if self.pending > self.lag_gets:
+                self.world.kserve.reconcile()
+                self.pending = None
+        if self.pods_after_gets is not None and self.gets >= self.pods_after_gets:
+            self.world.kserve.start_pods()
+        return self.world.isvc
+
+    def patch(self, api, name, patch):
+        if api == r.GRAPH_API:
+            store = ObjectStore(self.objects[name])
+            store.obj["metadata"]["resourceVersion"] = self.objects[name]["metadata"]["resourceVersion"]
+            self.objects[name] = store.update(patch, r.FIELD_MANAGER)
+            self.patches.append(patch)
+            return self.objects[name]
+        try:
+            self.world.store.update(patch, r.FIELD_MANAGER)
+        except ApiError as exc:
+            raise ApiException(exc.status, exc.reason) from None
+        self.patches.append(patch)
+        self.pending = 0
+        if self.lag_gets == 0:
+            self.world.kserve.reconcile()
+            self.pending = None
+        return self.world.isvc
+
+    def registry(self, name):
+        return REGISTRY
+
+    def revisions(self, isvc):
+        return {k: v for k, v in self.world.kserve.revision_uris().items()}
+
+    def facts(self, isvc, kserve_namespace="kserve"):
+        schema = require_crds(self.release)[("serving.kserve.io/v1beta1", "InferenceService")]
+        return ClusterFacts(schema, "cube-serve-triton", True, self.gateway_api)
+
 
 class ApiException(Exception):
     """Stands for kubernetes.client.exceptions.ApiException (matched by name)."""
@@ -334,39 +549,9 @@ class ApiException(Exception):
         self.status, self.reason = status, reason
 
 
-class FakeCluster:
-    """Objects in memory; patches applied as the API server does, resourceVersion checked."""
-
-    def __init__(self, objects: dict, ready: bool = True, ready_after_gets: int | None = None):
-        self.objects, self.patches, self.namespace = objects, [], "models"
-        self.ready, self.ready_after_gets, self.gets = ready, ready_after_gets, 0
-
-    def __call__(self, namespace=None, context=None):
-        return self
-
-    def get(self, api, name):
-        self.gets += 1
-        obj = self.objects[(api[1], name)]
-        if obj["kind"] == "InferenceService":
-            ready = self.ready or (self.ready_after_gets is not None and self.gets > self.ready_after_gets)
-            return reconciled(obj, ready)
-        return copy.deepcopy(obj)
-
-    def patch(self, api, name, patch):
-        current = self.objects[(api[1], name)]
-        if patch["metadata"]["resourceVersion"] != current["metadata"]["resourceVersion"]:
-            raise ApiException(409, "Conflict")
-        self.patches.append(patch)
-        self.objects[(api[1], name)] = apply(current, r.Plan("", patch))
-        return self.objects[(api[1], name)]
-
-    def registry(self, name):
-        return REGISTRY
-
-
 def run(cluster, monkeypatch, *argv):
-    monkeypatch.setattr(r, "cluster_factory", cluster)
-    monkeypatch.setattr(r.time, "sleep", lambda seconds: None)
+    monkeypatch.setattr(cli, "cluster_factory", cluster)
+    monkeypatch.setattr(cli.time, "sleep", lambda seconds: None)
     parser = argparse.ArgumentParser(prog="cubeserve")  # as cubeserve/cli.py builds it
     r.add_rollout_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["rollout", *argv])
@@ -374,20 +559,24 @@ def run(cluster, monkeypatch, *argv):
     return args.func(args, out=out), out.getvalue()
 
 
-def test_cli_canary_promote_and_status(monkeypatch, capsys):
-    cluster = FakeCluster({("inferenceservices", "cube3d"): serverless()})
+def test_cli_canary_promote_and_status(monkeypatch):
+    world = World("canary")
+    cluster = FakeCluster(world)
     code, out = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "20", "-n", "models")
     assert code == 0 and len(cluster.patches) == 1
     assert out.splitlines() == [
         "canary of version 2 at 20% (stable: version 1)",
-        "  spec.predictor.canaryTrafficPercent: 10 -> 20",
+        "  spec.predictor.canaryTrafficPercent: (unset) -> 20",
         f"  spec.predictor.model.storageUri: {BASE}/1/ -> {BASE}/2/",
         "patched",
     ]
     code, out = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "20")
     assert code == 0 and len(cluster.patches) == 1 and "nothing to change" in out
+    world.kserve.start_pods()
     code, out = run(cluster, monkeypatch, "status")
     assert code == 0 and "canary of version 2 at 20% (stable: version 1)" in out and "versions 1 2 3" in out
+    assert "traffic  20%  cube3d-predictor-00002  version 2  latest" in out
+    assert "traffic  80%  cube3d-predictor-00001  version 1  prev" in out
     code, out = run(cluster, monkeypatch, "promote", "--dry-run")
     assert code == 0 and len(cluster.patches) == 1 and "dry run" in out
     code, out = run(cluster, monkeypatch, "promote")
@@ -395,29 +584,48 @@ def test_cli_canary_promote_and_status(monkeypatch, capsys):
     assert "spec.predictor.canaryTrafficPercent: 20 -> (removed)" in out
     code, out = run(cluster, monkeypatch, "promote")
     assert code == 0 and len(cluster.patches) == 2 and "nothing to promote" in out
+    code, out = run(cluster, monkeypatch, "status", "--json")
+    assert code == 0 and json.loads(out)["stable"] == "2"
 
 
 def test_cli_refusals_change_nothing(monkeypatch, capsys):
-    cluster = FakeCluster({("inferenceservices", "cube3d"): raw()})
+    world = World("raw")
+    cluster = FakeCluster(world)
+    assert run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "0")[0] == 0
     for argv, words in ((["canary", "--version", "3", "--percent", "10"], "in progress"),
                         (["canary", "--version", "2", "--percent", "150"], "0 to 100"),
                         (["canary", "--version", "7", "--percent", "10"], "unknown version")):
         code, out = run(cluster, monkeypatch, *argv)
         assert code == 2 and out == "" and words in capsys.readouterr().err
-    assert cluster.patches == []
+    assert len(cluster.patches) == 1
     with pytest.raises(SystemExit):  # argparse: not an integer
         run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "ten")
 
 
+@pytest.mark.parametrize("release, gateway_api, refusal", [
+    ("v0.19.0", True, "no field spec.canary (added in KServe v0.20.0)"),
+    ("v0.20.0", False, "plain Ingress"),
+])
+def test_cli_preflight_refuses_what_the_cluster_cannot_do(monkeypatch, capsys, release, gateway_api, refusal):
+    world = World("raw")
+    cluster = FakeCluster(world, release=release, gateway_api=gateway_api)
+    code, _ = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "10")
+    assert code == 2 and refusal in capsys.readouterr().err and cluster.patches == []
+
+
 def test_cli_waits_for_readiness_and_reports_conflicts(monkeypatch, capsys):
-    cluster = FakeCluster({("inferenceservices", "cube3d"): raw()}, ready=False)
+    world = World("raw")
+    world.do("canary", "2", 0)
+    cluster = FakeCluster(world)
     code, _ = run(cluster, monkeypatch, "promote")
     assert code == 3 and "not ready" in capsys.readouterr().err and cluster.patches == []
-    cluster = FakeCluster({("inferenceservices", "cube3d"): raw()}, ready=False, ready_after_gets=2)
+    cluster = FakeCluster(world, pods_after_gets=3)
     code, out = run(cluster, monkeypatch, "promote", "--wait", "60")
     assert code == 0 and out.startswith("waiting:") and len(cluster.patches) == 1
 
-    cluster = FakeCluster({("inferenceservices", "cube3d"): raw()})
+    world = World("raw")
+    world.do("canary", "2", 0)
+    cluster = FakeCluster(world)
     stale = cluster.patch
     cluster.patch = lambda api, name, patch: stale(api, name, {**patch, "metadata": {"resourceVersion": "1"}})
     code, _ = run(cluster, monkeypatch, "rollback")
@@ -425,27 +633,59 @@ def test_cli_waits_for_readiness_and_reports_conflicts(monkeypatch, capsys):
 
 
 def test_cli_ab(monkeypatch, capsys):
-    cluster = FakeCluster({("inferencegraphs", "cube3d-ab"): graph()})
+    cluster = FakeCluster(World("raw"))
+    cluster.objects["cube3d-ab"] = graph()
     code, out = run(cluster, monkeypatch, "ab", "--weights", "A=60,B=40")
     assert code == 0 and "weights a=80,b=20 -> a=60,b=40" in out
-    assert [s["weight"] for s in cluster.objects[("inferencegraphs", "cube3d-ab")]["spec"]["nodes"]["root"]["steps"]] == [60, 40]
+    assert [s["weight"] for s in cluster.objects["cube3d-ab"]["spec"]["nodes"]["root"]["steps"]] == [60, 40]
     code, _ = run(cluster, monkeypatch, "ab", "--weights", "A=60,B=60")
     assert code == 2 and "add up to 100" in capsys.readouterr().err and len(cluster.patches) == 1
 
 
+def test_cubeserve_cli_has_rollout(monkeypatch):
+    from cubeserve import cli as cubeserve_cli
+
+    parser = cubeserve_cli.build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert "rollout" in subcommands
+    world = World("raw")
+    world.do("canary", "2", 0)
+    cluster = FakeCluster(world)
+    monkeypatch.setattr(cli, "cluster_factory", cluster)
+    assert cubeserve_cli.main(["rollout", "rollback"]) == 0 and len(cluster.patches) == 1
+
+
 # -- the thin client over HTTP, against a stub API server on 127.0.0.1 ---------------------------------
 
-class StubApiServer:
-    """Answers the calls `Cluster` makes (GET and PATCH of a namespaced custom object or of a
-    ConfigMap) from objects in memory, as the API server does for a merge patch. `on_patch(path,
-    stored)` returns the object as the controller leaves it afterwards (e.g. `reconciled`)."""
+ISVC_PATH = "/apis/serving.kserve.io/v1beta1/namespaces/models/inferenceservices/cube3d"
+VERSIONS_PATH = "/api/v1/namespaces/models/configmaps/cube3d-versions"
 
-    def __init__(self, objects: dict, on_patch=None):
+
+class StubApiServer:
+    """The API server for the calls `Cluster` makes: the InferenceService (a World's store, with
+    KServe reconciling after each patch; `fieldValidation=Strict` checked against the CRD of
+    `release`, unknown fields otherwise pruned, as the API server does), ConfigMaps (merge patch
+    with a resourceVersion precondition), Knative revisions, the CRD, the ServingRuntime and
+    KServe's inferenceservice-config."""
+
+    def __init__(self, world: World, objects: dict | None = None, release: str = "v0.20.0", gateway_api: bool = True):
         import http.server
-        import json
         import threading
 
-        self.objects, self.requests = objects, []
+        from kserve_standin import json_merge_patch
+
+        self.world, self.requests = world, []
+        crd = next(d for d in yaml.safe_load_all((KSERVE_CRDS / "by-release" / release / "serving.kserve.io_inferenceservices.yaml").read_text()) if d)
+        runtime = find(render("raw"), "ServingRuntime")
+        self.objects = {
+            VERSIONS_PATH: {**find(render("raw"), "ConfigMap"), "metadata": {"name": "cube3d-versions", "namespace": "models", "resourceVersion": "7"}},
+            "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/inferenceservices.serving.kserve.io": crd,
+            "/apis/serving.kserve.io/v1alpha1/namespaces/models/servingruntimes/cube-serve-triton": runtime,
+            "/api/v1/namespaces/kserve/configmaps/inferenceservice-config": {
+                "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "inferenceservice-config"},
+                "data": {"ingress": json.dumps({"enableGatewayApi": gateway_api})}},
+            **(objects or {})}
+        strict = require_crds(release)
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -460,20 +700,46 @@ class StubApiServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def _error(self, code, reason, message=""):
+                self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                                  "reason": reason, "message": message})
+
             def do_GET(self):
-                stub.requests.append(("GET", self.path, None, None))
-                obj = stub.objects.get(self.path)
-                self._send(200, obj) if obj else self._send(404, {"kind": "Status", "code": 404, "reason": "NotFound"})
+                url = urlparse(self.path)
+                stub.requests.append(("GET", url.path, None, None, parse_qs(url.query)))
+                if url.path == ISVC_PATH:
+                    return self._send(200, stub.world.isvc)
+                if "/revisions/" in url.path:
+                    revision = stub.world.kserve.revision_object(url.path.rsplit("/", 1)[-1])
+                    return self._send(200, revision) if revision else self._error(404, "NotFound")
+                obj = stub.objects.get(url.path)
+                return self._send(200, obj) if obj else self._error(404, "NotFound")
 
             def do_PATCH(self):
+                url = urlparse(self.path)
+                query = parse_qs(url.query)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                stub.requests.append(("PATCH", self.path, self.headers["Content-Type"], body))
-                current = stub.objects[self.path]
+                stub.requests.append(("PATCH", url.path, self.headers["Content-Type"], body, query))
+                manager = query.get("fieldManager", ["unknown"])[0]
+                if url.path == ISVC_PATH:
+                    after = json_merge_patch(stub.world.isvc, body)
+                    after.pop("status", None)
+                    unknown = [e for e in crd_errors(after, strict) if "Additional properties" in e]
+                    if unknown and query.get("fieldValidation") == ["Strict"]:
+                        return self._error(400, "BadRequest", "strict decoding error: " + "; ".join(unknown))
+                    try:
+                        stub.world.store.update(_pruned(body, unknown), manager)
+                    except ApiError as exc:
+                        return self._error(exc.status, exc.reason, exc.message)
+                    stub.world.kserve.reconcile()
+                    return self._send(200, stub.world.isvc)
+                current = stub.objects[url.path]
                 if body.get("metadata", {}).get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
-                    return self._send(409, {"kind": "Status", "code": 409, "reason": "Conflict"})
-                stored = apply(current, r.Plan("", body))
-                stub.objects[self.path] = on_patch(self.path, stored) if on_patch else stored
-                self._send(200, stub.objects[self.path])
+                    return self._error(409, "Conflict")
+                stored = json_merge_patch(current, body)
+                stored["metadata"]["resourceVersion"] = str(int(current["metadata"]["resourceVersion"]) + 1)
+                stub.objects[url.path] = stored
+                self._send(200, stored)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -489,57 +755,72 @@ class StubApiServer:
             "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub", "namespace": namespace}}]}))
         return path
 
+    def patches(self, path: str = ISVC_PATH) -> list[dict]:
+        return [body for method, p, _, body, _ in self.requests if method == "PATCH" and p == path]
+
     def close(self):
         self.server.shutdown()
         self.server.server_close()
 
 
-def test_cluster_client_sends_merge_patches_over_http(tmp_path, monkeypatch):
-    pytest.importorskip("kubernetes")
-    isvc_path = "/apis/serving.kserve.io/v1beta1/namespaces/models/inferenceservices/cube3d"
-    configmap = find(render("raw-canary"), "ConfigMap")
-    stub = StubApiServer({isvc_path: reconciled(raw()),
-                          "/api/v1/namespaces/models/configmaps/cube3d-versions": configmap})
+def _pruned(patch: dict, unknown: list[str]) -> dict:
+    """The patch without the fields the CRD does not know (the API server's pruning)."""
+    patch = copy.deepcopy(patch)
+    for error in unknown:  # "InferenceService spec: Additional properties are not allowed ('canary' was unexpected)"
+        where, _, rest = error.partition(": ")
+        path = where.split(" ", 1)[1].split(".") if " " in where else []
+        node = patch
+        for key in path:
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        for name in rest.split("'")[1::2]:
+            if isinstance(node, dict):
+                node.pop(name, None)
+    return patch
+
+
+def cli_over_http(stub: StubApiServer, tmp_path, monkeypatch, *argv) -> tuple[int, str]:
+    monkeypatch.setenv("KUBECONFIG", str(stub.kubeconfig(tmp_path / "kubeconfig")))
+    parser = argparse.ArgumentParser(prog="cubeserve")
+    r.add_rollout_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["rollout", *argv])
+    out = io.StringIO()
+    return args.func(args, out=out), out.getvalue()
+
+
+def test_cluster_client_over_http(tmp_path, monkeypatch):
+    world = World("canary")
+    stub = StubApiServer(world)
     try:
-        monkeypatch.setenv("KUBECONFIG", str(stub.kubeconfig(tmp_path / "kubeconfig")))
-        parser = argparse.ArgumentParser(prog="cubeserve")
-        r.add_rollout_parser(parser.add_subparsers(dest="command", required=True))
-        args = parser.parse_args(["rollout", "promote"])
-        out = io.StringIO()
-        assert args.func(args, out=out) == 0, out.getvalue()
-        method, path, content_type, body = stub.requests[-1]
-        assert (method, path, content_type) == ("PATCH", isvc_path, "application/merge-patch+json")
-        assert body == {"metadata": {"resourceVersion": "200"},
-                        "spec": {"predictor": {"model": {"storageUri": f"{BASE}/2/"}}, "canary": None}}
-        assert "canary" not in stub.objects[isvc_path]["spec"]
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "canary", "--version", "2", "--percent", "10")
+        assert code == 0, out
+        method, path, content_type, body, query = [q for q in stub.requests if q[0] == "PATCH"][-1]
+        assert (path, content_type) == (ISVC_PATH, "application/merge-patch+json")
+        assert query["fieldManager"] == ["cubeserve-rollout"] and query["fieldValidation"] == ["Strict"]
+        assert body["spec"]["predictor"] == {"canaryTrafficPercent": 10, "model": {"storageUri": f"{BASE}/2/"}}
+        assert r.FIELD_MANAGER in r.state.writers(world.isvc, r.state.STORAGE_URI)
+        world.kserve.start_pods()
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "status")
+        assert code == 0 and "canary of version 2 at 10% (stable: version 1)" in out and "version 2  latest" in out
+        assert any("/revisions/cube3d-predictor-00002" in q[1] for q in stub.requests)
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "promote")
+        assert code == 0 and world.kserve.serving() == [(f"{BASE}/2/", 100)]
     finally:
         stub.close()
 
 
-def test_cubeserve_cli_has_rollout(monkeypatch):
-    from cubeserve import cli
-
-    parser = cli.build_parser()
-    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    if "rollout" not in subcommands:
-        pytest.skip("cubeserve/cli.py does not wire `rollout` yet (add_rollout_parser)")
-    cluster = FakeCluster({("inferenceservices", "cube3d"): raw()})
-    monkeypatch.setattr(r, "cluster_factory", cluster)
-    assert cli.main(["rollout", "rollback"]) == 0 and len(cluster.patches) == 1
-
-
-def test_cli_serverless_rollback_with_wait_does_both_steps(monkeypatch):
-    canary = apply(serverless(), r.plan_canary(serverless(), REGISTRY, "2", 10))
-    cluster = FakeCluster({("inferenceservices", "cube3d"): canary}, ready=False, ready_after_gets=3)
-    code, out = run(cluster, monkeypatch, "rollback", "--wait", "600")
-    assert code == 0 and len(cluster.patches) == 2, out
-    assert "waiting:" in out and "finish the rollback" in out
-    final = cluster.objects[("inferenceservices", "cube3d")]
-    assert "canaryTrafficPercent" not in final["spec"]["predictor"]
-    assert r.rollout_state(final, REGISTRY).stable == "1"
-    # Without --wait, the first call pins and the second (once ready) finishes.
-    cluster = FakeCluster({("inferenceservices", "cube3d"): canary})
-    assert run(cluster, monkeypatch, "rollback")[0] == 0 and len(cluster.patches) == 1
-    assert run(cluster, monkeypatch, "rollback")[0] == 0 and len(cluster.patches) == 2
-    code, out = run(cluster, monkeypatch, "rollback")
-    assert code == 0 and len(cluster.patches) == 2 and "nothing to roll back" in out
+def test_a_field_the_cluster_does_not_know_is_refused_never_pruned(tmp_path, monkeypatch, capsys):
+    world = World("raw")
+    stub = StubApiServer(world, release="v0.19.0")
+    try:
+        before = world.isvc
+        code, _ = cli_over_http(stub, tmp_path, monkeypatch, "canary", "--version", "2", "--percent", "0")
+        assert code == 2 and "no field spec.canary (added in KServe v0.20.0)" in capsys.readouterr().err
+        assert stub.patches() == []
+        # Past the preflight, strict field validation makes the API server refuse the patch;
+        # without it, the API server would have pruned spec.canary and answered 200.
+        code, _ = cli_over_http(stub, tmp_path, monkeypatch, "canary", "--version", "2", "--percent", "0",
+                                "--skip-preflight")
+        assert code == 1 and "400" in capsys.readouterr().err
+        assert world.isvc["spec"] == before["spec"]
+    finally:
+        stub.close()

@@ -11,7 +11,7 @@ Two targets behind one function (`roll_out`):
   (clients choose a version; the soak sends its requests to the challenger), promote = only
   the challenger, rollback = only the champion. (Every file travels base64-encoded in one HTTP
   request: right for the demo and test checkpoints, not for multi-GB weights; use KServe there.)
-* "kserve": `cubeserve rollout`'s pure plans (cubeserve/rollout.py) applied by its client: a
+* "kserve": `cubeserve rollout`'s pure plans (cubeserve/rollout/) applied by its client: a
   canary at `percent`, a soak, then promote if the new revision became ready, else roll back.
   Version N is `<model_store>/<N>/`; `record_version` (the package step) lists it in the
   ConfigMap cube3d-versions, whose baseUri must be the pipeline's model store.
@@ -186,7 +186,7 @@ def record_version(namespace: str, version: int, model_store: str) -> str:
     cluster = rollout.Cluster(namespace or None)
     for attempt in range(5):
         configmap = cluster.core.read_namespaced_config_map(rollout.VERSIONS_CONFIGMAP, cluster.namespace).to_dict()
-        registry = rollout.Registry.from_configmap(configmap)
+        registry = rollout.VersionRegistry.from_configmap(configmap)
         if registry.base_uri.rstrip("/") != model_store.rstrip("/"):
             raise rollout.RolloutError(
                 f"ConfigMap {cluster.namespace}/{rollout.VERSIONS_CONFIGMAP}: baseUri is {registry.base_uri}, "
@@ -206,36 +206,28 @@ def record_version(namespace: str, version: int, model_store: str) -> str:
 
 
 def _kserve(new, percent, soak_seconds, namespace, isvc, force_rollback):
-    """The same stages through `cubeserve rollout`'s plans on a cluster (needs a kubeconfig or
-    a service account allowed to patch the InferenceService: k8s/pipeline/rbac.yaml)."""
+    """The same stages through `cubeserve rollout` (its plans, preflight and client) on a cluster
+    (needs a kubeconfig or a service account allowed to patch the InferenceService:
+    k8s/pipeline/rbac.yaml)."""
     from cubeserve import rollout
 
-    cluster = rollout.Cluster(namespace or None)
-    registry = cluster.registry(rollout.VERSIONS_CONFIGMAP)
+    target = rollout.Rollout(rollout.Cluster(namespace or None), isvc)
     version = str(new.triton_version)
-    plan = rollout.plan_canary(cluster.get(rollout.ISVC_API, isvc), registry, version, percent)
-    if plan.patch:
-        cluster.patch(rollout.ISVC_API, isvc, plan.patch)
+    target.run("canary", version=version, percent=percent)
     time.sleep(soak_seconds)
-    state = rollout.rollout_state(cluster.get(rollout.ISVC_API, isvc), registry)
+    state = target.state()
     if state.ready and not force_rollback:
-        plan = rollout.plan_promote(cluster.get(rollout.ISVC_API, isvc), registry)
-        if plan.patch:
-            cluster.patch(rollout.ISVC_API, isvc, plan.patch)
+        target.run("promote")
         return "promoted", f"canary of version {version} at {percent}% was ready after {soak_seconds:.0f} s"
-    _kserve_rollback(cluster, isvc, registry)
+    _kserve_rollback(target)
     why = "rollback requested" if force_rollback else f"not ready after {soak_seconds:.0f} s ({state.summary()})"
     return "rolled_back", f"canary of version {version} at {percent}%: {why}"
 
 
-def _kserve_rollback(cluster, isvc, registry) -> None:
+def _kserve_rollback(target) -> None:
     # Serverless rollbacks take two calls (pin traffic, then clear it once the old revision is
     # ready); the first is made here, `cubeserve rollout rollback --wait` finishes it.
-    from cubeserve import rollout
-
-    plan = rollout.plan_rollback(cluster.get(rollout.ISVC_API, isvc), registry, force=True)
-    if plan.patch:
-        cluster.patch(rollout.ISVC_API, isvc, plan.patch)
+    target.run("rollback", force=True)
 
 
 # The exit task's `status.state` for a run that succeeded: the KFP v2 backend passes the DAG's MLMD
@@ -270,11 +262,10 @@ def finish_run(state: str, error: str, registry_uri: str, model_name: str, pipel
             elif target == "kserve":
                 from cubeserve import rollout
 
-                cluster = rollout.Cluster(namespace or None)
-                registry_cm = cluster.registry(rollout.VERSIONS_CONFIGMAP)
-                state_now = rollout.rollout_state(cluster.get(rollout.ISVC_API, isvc), registry_cm)
+                target = rollout.Rollout(rollout.Cluster(namespace or None), isvc)
+                state_now = target.state()
                 if state_now.phase == rollout.CANARY and state_now.canary == str(challenger.triton_version):
-                    _kserve_rollback(cluster, isvc, registry_cm)
+                    _kserve_rollback(target)
             reverted = "champion serving"
         except Exception as exc:  # noqa: BLE001 - reported, the alias is still cleared
             reverted = f"could not restore the champion's serving: {exc}"

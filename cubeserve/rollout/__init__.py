@@ -1,0 +1,31 @@
+"""`cubeserve rollout`: canary, promote, roll back and A/B-split cube-serve on KServe.
+
+Every command is two steps. First a pure plan: the InferenceService as the API server returns
+it, the checkpoint versions, and the Knative revisions its status names go in; a `Plan` comes
+out, holding one JSON merge patch (RFC 7386) and the fields it changes, or a `RolloutError`
+saying why not. Then a thin client checks the cluster (preflight) and sends that patch with the
+object's resourceVersion as a precondition and its own field manager.
+
+    versions.py   checkpoint versions (the ConfigMap cube3d-versions)
+    state.py      what the InferenceService is doing, from the status KServe writes
+    plans.py      canary / promote / rollback / ab as patches; Serverless and Raw strategies
+    patch.py      JSON merge patches and their field-by-field description
+    preflight.py  the cluster can take the patch (CRD fields, runtime, Gateway API)
+    cluster.py    the Kubernetes API (Cluster) and one InferenceService on it (Rollout)
+    cli.py        the command line
+"""
+
+from cubeserve.rollout.cli import add_rollout_parser, main, run_rollout
+from cubeserve.rollout.cluster import GRAPH_API, ISVC_API, Cluster, Rollout
+from cubeserve.rollout.errors import NotReady, RolloutError
+from cubeserve.rollout.patch import describe_changes, merge_patch
+from cubeserve.rollout.plans import Plan, parse_weights, plan_ab, plan_canary, plan_promote, plan_rollback
+from cubeserve.rollout.state import (CANARY, FIELD_MANAGER, RAW, ROLLING_BACK, SERVERLESS, STABLE, UPDATING,
+                                     RolloutState, deployment_mode, rollout_state)
+from cubeserve.rollout.versions import VERSIONS_CONFIGMAP, VersionRegistry, predictor_name
+
+__all__ = ["add_rollout_parser", "main", "run_rollout", "GRAPH_API", "ISVC_API", "Cluster", "Rollout",
+           "NotReady", "RolloutError", "describe_changes", "merge_patch", "Plan", "parse_weights", "plan_ab",
+           "plan_canary", "plan_promote", "plan_rollback", "CANARY", "FIELD_MANAGER", "RAW", "ROLLING_BACK",
+           "SERVERLESS", "STABLE", "UPDATING", "RolloutState", "deployment_mode", "rollout_state",
+           "VERSIONS_CONFIGMAP", "VersionRegistry", "predictor_name"]

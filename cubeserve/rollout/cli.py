@@ -1,0 +1,174 @@
+"""`cubeserve rollout ...`: status, canary, promote, rollback, ab."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+from cubeserve.rollout.cluster import DEFAULT_GRAPH, DEFAULT_ISVC, GRAPH_API, Cluster, Rollout
+from cubeserve.rollout.errors import NotReady, RolloutError
+from cubeserve.rollout.plans import Plan, parse_weights, plan_ab
+from cubeserve.rollout.state import STABLE, get, rollout_state
+from cubeserve.rollout.versions import VERSIONS_CONFIGMAP
+
+# Exit codes.
+DONE, API_ERROR, REFUSED, NOT_READY, DRIFT = 0, 1, 2, 3, 4
+
+# Tests replace this to run the command line against objects in memory.
+cluster_factory: Callable[..., Any] = Cluster
+
+
+def _print_plan(plan: Plan, notes: list[str], out, dry_run: bool) -> None:
+    print(plan.summary, file=out)
+    for line in plan.changes:
+        print(f"  {line}", file=out)
+    for note in notes:
+        print(f"  note: {note}", file=out)
+    if plan.changed:
+        print("dry run: nothing was changed" if dry_run else "patched", file=out)
+
+
+def _status(rollout: Rollout, args, out) -> int:
+    isvc, registry, revisions = rollout.read()
+    state = rollout_state(isvc, registry, revisions, rollout.mode)
+    if args.json:
+        print(json.dumps(asdict(state), indent=2, default=str), file=out)
+        return DRIFT if state.drift else DONE
+    url = get(isvc, "status", "url") or "(no URL yet)"
+    print(f"InferenceService {rollout.cluster.namespace}/{args.isvc} ({state.mode}) {url}", file=out)
+    print(f"  {state.summary()}", file=out)
+    if state.phase != STABLE:
+        ready = {True: "yes", False: "no", None: "not yet made by KServe"}[state.ready]
+        print(f"  ready: {ready}", file=out)
+    for route in state.traffic:
+        served = f"version {route.version}" if route.version else (route.uri or "unknown version")
+        print(f"  traffic {route.percent:>3}%  {route.target}  {served}  {route.tag or ''}".rstrip(), file=out)
+    for line in state.drift:
+        print(f"  DRIFT: {line}", file=out)
+    print(f"  registry {args.versions_configmap}: {registry.base_uri}/<version>/, versions "
+          f"{' '.join(registry.versions) or '(none)'}", file=out)
+    if args.graph:
+        graph = rollout.cluster.get(GRAPH_API, args.graph)
+        steps = get(graph, "spec", "nodes", "root", "steps", default=[]) or []
+        print(f"InferenceGraph {rollout.cluster.namespace}/{args.graph}: " +
+              ", ".join(f"{s.get('name')}={s.get('weight')}% ({s.get('serviceUrl') or s.get('serviceName')})"
+                        for s in steps), file=out)
+    return DRIFT if state.drift else DONE
+
+
+def _ab(cluster, args, out) -> int:
+    graph = cluster.get(GRAPH_API, args.graph)
+    plan = plan_ab(graph, parse_weights(args.weights))
+    if plan.changed and not args.dry_run:
+        cluster.patch(GRAPH_API, args.graph, plan.patch)
+    _print_plan(plan, [], out, args.dry_run)
+    return DONE
+
+
+def _change(rollout: Rollout, args, out) -> int:
+    command = args.rollout_command
+    kwargs = dict(version=args.version, percent=args.percent) if command == "canary" else dict(force=args.force)
+    wait = getattr(args, "wait", 0) or 0
+    deadline = time.monotonic() + wait
+    first = True
+    while True:
+        try:
+            isvc, plan = rollout.plan(command, **kwargs)
+        except NotReady as exc:
+            if time.monotonic() >= deadline:
+                raise
+            print(f"waiting: {exc}", file=out, flush=True)
+            time.sleep(min(10.0, max(0.5, deadline - time.monotonic())))
+            continue
+        if not first and not plan.changed:
+            return DONE
+        notes = rollout.apply(isvc, plan, args.dry_run)
+        _print_plan(plan, notes, out, args.dry_run)
+        first = False
+        # A Serverless rollback takes two patches (pin, then finish); with --wait the second
+        # follows as soon as KServe reports the reverted revision ready.
+        if not (plan.changed and wait and command == "rollback" and not args.dry_run):
+            return DONE
+
+
+def run_rollout(args, out=None) -> int:
+    """The `cubeserve rollout` handler. Exit codes: 0 done (or nothing to do), 1 Kubernetes API
+    error, 2 refused, 3 not ready yet, 4 (status) drift found."""
+    out = out or sys.stdout
+    try:
+        cluster = cluster_factory(namespace=args.namespace, context=args.context)
+        if args.rollout_command == "ab":
+            return _ab(cluster, args, out)
+        rollout = Rollout(cluster, args.isvc, args.versions_configmap, None if args.mode == "auto" else args.mode,
+                          args.kserve_namespace, not getattr(args, "skip_preflight", False))
+        if args.rollout_command == "status":
+            return _status(rollout, args, out)
+        return _change(rollout, args, out)
+    except NotReady as exc:
+        print(f"not ready: {exc}", file=sys.stderr)
+        return NOT_READY
+    except RolloutError as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return REFUSED
+    except Exception as exc:  # noqa: BLE001 - the kubernetes client's errors, reported briefly
+        if type(exc).__name__ != "ApiException" and type(exc).__module__.split(".")[0] not in ("kubernetes", "urllib3"):
+            raise
+        status = getattr(exc, "status", None)
+        print(f"error: {type(exc).__name__}: {' '.join(str(p) for p in (status, getattr(exc, 'reason', None) or exc) if p)}",
+              file=sys.stderr)
+        if status == 409:
+            print("the object changed while this command ran: run it again", file=sys.stderr)
+        return API_ERROR
+
+
+def add_rollout_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `rollout` to a `cubeserve` subparsers object; the handler is `args.func`."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-n", "--namespace", help="namespace (default: the kubeconfig context's)")
+    common.add_argument("--context", help="kubeconfig context")
+    common.add_argument("--isvc", default=DEFAULT_ISVC, help="InferenceService name (default: %(default)s)")
+    common.add_argument("--versions-configmap", default=VERSIONS_CONFIGMAP,
+                        help="ConfigMap listing the known versions (default: %(default)s)")
+    common.add_argument("--mode", choices=["auto", "serverless", "raw"], default="auto",
+                        help="deployment mode (default: from the InferenceService)")
+    common.add_argument("--kserve-namespace", default="kserve",
+                        help="namespace of KServe's inferenceservice-config (default: %(default)s)")
+    changing = argparse.ArgumentParser(add_help=False)
+    changing.add_argument("--dry-run", action="store_true", help="print the change, do not patch")
+    changing.add_argument("--skip-preflight", action="store_true",
+                          help="do not check the cluster's CRD, runtime and ingress before patching")
+
+    p = subparsers.add_parser(
+        "rollout", help="canary / promote / rollback / A-B on the KServe InferenceService",
+        description="Roll checkpoint versions out on KServe (see README, Deploying on KServe). "
+                    "Version V is the model repository at <baseUri>/<V>/ of the ConfigMap cube3d-versions.")
+    sub = p.add_subparsers(dest="rollout_command", required=True)
+    s = sub.add_parser("status", parents=[common], help="stable version, canary, traffic, drift")
+    s.add_argument("--graph", help="also show this InferenceGraph's weights")
+    s.add_argument("--json", action="store_true", help="the rollout state as JSON")
+    c = sub.add_parser("canary", parents=[common, changing], help="start a canary, or change its share")
+    c.add_argument("--version", required=True, help="checkpoint version to roll out")
+    c.add_argument("--percent", required=True, type=int, help="share of the traffic, 0..100")
+    for action, text in (("promote", "give the canary all the traffic and make it stable"),
+                         ("rollback", "send all the traffic back to the stable version")):
+        a = sub.add_parser(action, parents=[common, changing], help=text)
+        a.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                       help="wait up to this long for KServe to make the new revision ready")
+        a.add_argument("--force", action="store_true", help="do not check readiness")
+    ab = sub.add_parser("ab", parents=[common, changing], help="set the A/B weights of the InferenceGraph")
+    ab.add_argument("--weights", required=True, help="step weights adding up to 100, e.g. a=80,b=20")
+    ab.add_argument("--graph", default=DEFAULT_GRAPH, help="InferenceGraph name (default: %(default)s)")
+    p.set_defaults(func=run_rollout)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cubeserve.rollout ...`, the same as `cubeserve rollout ...`."""
+    parser = argparse.ArgumentParser(prog="cubeserve")
+    add_rollout_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)

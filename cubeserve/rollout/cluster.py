@@ -1,0 +1,184 @@
+"""The thin client: reads what the plans need from the cluster, checks, and sends the patch.
+
+`Cluster` is the Kubernetes API (the `kubernetes` client, current kubeconfig or the pod's service
+account). `Rollout` is one InferenceService on it: the CLI and the pipeline's KServe target both
+go through it, so both check and patch the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Mapping
+
+from cubeserve.rollout.errors import RolloutError
+from cubeserve.rollout.plans import Plan, plan_canary, plan_promote, plan_rollback
+from cubeserve.rollout.preflight import ClusterFacts, check
+from cubeserve.rollout.state import (FIELD_MANAGER, REVISION_URI_ANNOTATION, SERVERLESS, RolloutState,
+                                     deployment_mode, get, rollout_state)
+from cubeserve.rollout.versions import VERSIONS_CONFIGMAP, VersionRegistry
+
+GROUP = "serving.kserve.io"
+ISVC_API = ("v1beta1", "inferenceservices")
+GRAPH_API = ("v1alpha1", "inferencegraphs")
+ISVC_CRD = "inferenceservices.serving.kserve.io"
+KSERVE_CONFIG = "inferenceservice-config"  # KServe's own ConfigMap, in its namespace
+DEFAULT_ISVC = "cube3d"
+DEFAULT_GRAPH = "cube3d-ab"
+
+
+def _status(exc: Exception) -> int | None:
+    return getattr(exc, "status", None) if type(exc).__name__ == "ApiException" else None
+
+
+class Cluster:
+    """get/patch on serving.kserve.io objects, Knative revisions, the registry ConfigMap and the
+    facts the preflight reads."""
+
+    def __init__(self, namespace: str | None = None, context: str | None = None):
+        from kubernetes import client, config
+
+        kubeconfig = os.environ.get("KUBECONFIG")  # read now: the client reads it once, at import
+        try:
+            config.load_kube_config(config_file=kubeconfig, context=context)
+            contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+            chosen = next((c for c in contexts if c["name"] == context), active) if context else active
+            default_namespace = (chosen or {}).get("context", {}).get("namespace") or "default"
+        except config.ConfigException:  # no kubeconfig: running in a pod?
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                raise config.ConfigException("no Kubernetes configuration: no kubeconfig (KUBECONFIG or "
+                                             "~/.kube/config) and not running in a pod") from None
+            with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+                default_namespace = f.read().strip()
+        self.namespace = namespace or default_namespace
+        self.custom = client.CustomObjectsApi()
+        self.core = client.CoreV1Api()
+        self.extensions = client.ApiextensionsV1Api()
+
+    def get(self, api: tuple[str, str], name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, api[0], self.namespace, api[1], name)
+
+    def patch(self, api: tuple[str, str], name: str, patch: dict) -> dict:
+        # A dict body is sent as application/merge-patch+json. The field manager records these
+        # fields as cubeserve-rollout's (metadata.managedFields), so a server-side apply of an
+        # overlay that would change them conflicts instead of moving traffic; strict validation
+        # refuses a field the CRD does not know instead of dropping it.
+        return self.custom.patch_namespaced_custom_object(GROUP, api[0], self.namespace, api[1], name, patch,
+                                                          field_manager=FIELD_MANAGER, field_validation="Strict")
+
+    def registry(self, name: str = VERSIONS_CONFIGMAP) -> VersionRegistry:
+        return VersionRegistry.from_configmap(self.core.read_namespaced_config_map(name, self.namespace).to_dict())
+
+    def revisions(self, isvc: Mapping) -> dict[str, str]:
+        """Knative revision name -> the storageUri it serves, for every revision the
+        InferenceService's status names (needs get on revisions.serving.knative.dev)."""
+        component = get(isvc, "status", "components", "predictor") or {}
+        names = {component.get(k) for k in ("latestCreatedRevision", "latestReadyRevision",
+                                             "latestRolledoutRevision", "previousRolledoutRevision")}
+        names |= {t.get("revisionName") for t in component.get("traffic") or ()}
+        found = {}
+        for name in sorted(n for n in names if n):
+            try:
+                revision = self.custom.get_namespaced_custom_object("serving.knative.dev", "v1", self.namespace,
+                                                                    "revisions", name)
+            except Exception as exc:  # noqa: BLE001 - a revision Knative has garbage-collected
+                if _status(exc) != 404:
+                    raise
+                continue
+            uri = get(revision, "metadata", "annotations", REVISION_URI_ANNOTATION)
+            if uri:
+                found[name] = uri
+        return found
+
+    def _raw_json(self, call: Callable, *args) -> dict | None:
+        try:
+            response = call(*args, _preload_content=False)
+        except Exception as exc:  # noqa: BLE001 - not allowed or not there: the fact is unknown
+            if _status(exc) in (401, 403, 404):
+                return None
+            raise
+        return json.loads(response.data)
+
+    def facts(self, isvc: Mapping, kserve_namespace: str = "kserve") -> ClusterFacts:
+        crd = self._raw_json(self.extensions.read_custom_resource_definition, ISVC_CRD)
+        schema = None
+        for version in get(crd, "spec", "versions", default=()) or ():
+            if version.get("name") == ISVC_API[0]:
+                schema = get(version, "schema", "openAPIV3Schema")
+        runtime = get(isvc, "spec", "predictor", "model", "runtime")
+        found = None
+        if runtime:
+            found = self._runtime_exists(runtime)
+        config = self._raw_json(self.core.read_namespaced_config_map, KSERVE_CONFIG, kserve_namespace)
+        gateway = None
+        if config is not None:
+            try:
+                gateway = bool(json.loads(get(config, "data", "ingress", default="{}")).get("enableGatewayApi", False))
+            except ValueError:
+                gateway = None
+        return ClusterFacts(schema, runtime, found, gateway)
+
+    def _runtime_exists(self, name: str) -> bool | None:
+        """A ServingRuntime in the namespace or a ClusterServingRuntime of that name?"""
+        for call, args in ((self.custom.get_namespaced_custom_object, (GROUP, "v1alpha1", self.namespace, "servingruntimes", name)),
+                           (self.custom.get_cluster_custom_object, (GROUP, "v1alpha1", "clusterservingruntimes", name))):
+            try:
+                call(*args)
+                return True
+            except Exception as exc:  # noqa: BLE001 - the kubernetes client's ApiException
+                if _status(exc) in (401, 403):
+                    return None
+                if _status(exc) != 404:
+                    raise
+        return False
+
+
+class Rollout:
+    """One InferenceService on one cluster: what the plans need is read fresh for every plan;
+    a change is checked (preflight) and sent as one merge patch."""
+
+    def __init__(self, cluster, isvc: str = DEFAULT_ISVC, versions_configmap: str = VERSIONS_CONFIGMAP,
+                 mode: str | None = None, kserve_namespace: str = "kserve", preflight: bool = True):
+        self.cluster, self.isvc, self.versions_configmap = cluster, isvc, versions_configmap
+        self.mode, self.kserve_namespace, self.preflight = mode, kserve_namespace, preflight
+
+    def read(self) -> tuple[dict, VersionRegistry, dict[str, str]]:
+        registry = self.cluster.registry(self.versions_configmap)
+        isvc = self.cluster.get(ISVC_API, self.isvc)
+        revisions = self.cluster.revisions(isvc) if deployment_mode(isvc, self.mode) == SERVERLESS else {}
+        return isvc, registry, revisions
+
+    def state(self) -> RolloutState:
+        isvc, registry, revisions = self.read()
+        return rollout_state(isvc, registry, revisions, self.mode)
+
+    def plan(self, action: str, version: str | None = None, percent: int | None = None,
+             force: bool = False) -> tuple[dict, Plan]:
+        isvc, registry, revisions = self.read()
+        if action == "canary":
+            return isvc, plan_canary(isvc, registry, version, percent, revisions, self.mode)
+        planner = {"promote": plan_promote, "rollback": plan_rollback}[action]
+        return isvc, planner(isvc, registry, revisions, self.mode, force)
+
+    def apply(self, isvc: dict, plan: Plan, dry_run: bool = False) -> list[str]:
+        """Check and send `plan`'s patch (not with dry_run); returns the preflight's notes."""
+        notes: list[str] = []
+        if not plan.changed:
+            return notes
+        if self.preflight:
+            errors, notes = check(isvc, plan.patch, self.cluster.facts(isvc, self.kserve_namespace),
+                                  deployment_mode(isvc, self.mode))
+            if errors:
+                raise RolloutError("preflight: " + "; ".join(errors))
+        if not dry_run:
+            self.cluster.patch(ISVC_API, self.isvc, plan.patch)
+        return notes
+
+    def run(self, action: str, **kwargs) -> Plan:
+        """Plan and apply one step (the pipeline's entry point)."""
+        isvc, plan = self.plan(action, **kwargs)
+        self.apply(isvc, plan)
+        return plan
+

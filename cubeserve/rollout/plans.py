@@ -1,0 +1,252 @@
+"""Plans: the rollout state and a request in, one JSON merge patch (or a refusal) out.
+
+The checks every command shares live in plan_canary / plan_promote / plan_rollback; what the
+patch looks like is the deployment mode's business, one strategy class each:
+
+* Serverless (Knative): the predictor's storageUri is the version being rolled out and
+  canaryTrafficPercent its share; KServe sends the rest to the last rolled-out revision. Promote
+  removes canaryTrafficPercent: a route change, nothing restarts. Rollback first pins all the
+  traffic to the old revision while reverting storageUri (canaryTrafficPercent 0), then, once the
+  reverted revision is ready, removes canaryTrafficPercent.
+* RawDeployment (KServe v0.20+): the canary is spec.canary[0], its own Deployment
+  `<isvc>-v<V>-predictor`. Promote names the stable predictor after the canary and drops the
+  entry: KServe keeps that Deployment as the stable one (no restart) and deletes the old one.
+  Rollback drops the entry.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cubeserve.rollout.errors import NotReady, RolloutError
+from cubeserve.rollout.patch import describe_changes
+from cubeserve.rollout.state import (CANARY, RAW, ROLLING_BACK, SERVERLESS, STABLE, UPDATING, RolloutState,
+                                     get, object_name, rollout_state)
+from cubeserve.rollout.versions import VersionRegistry, predictor_name
+
+TAG_ROUTING_ANNOTATION = "serving.kserve.io/enable-tag-routing"
+# The predictor container's name in KServe; the CRD requires it in a spec.canary[] model.
+PREDICTOR_CONTAINER = "kserve-container"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a command will do: `patch` (a JSON merge patch, None when nothing changes) and, for
+    people, a one-line `summary` and the `changes` it makes, one field per line."""
+
+    summary: str
+    patch: dict | None = None
+    changes: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return self.patch is not None
+
+
+def _plan(obj: Mapping, summary: str, patch: dict) -> Plan:
+    patch = copy.deepcopy(patch)
+    version = get(obj, "metadata", "resourceVersion")
+    if version:  # optimistic concurrency: the API server refuses the patch if obj changed since
+        patch.setdefault("metadata", {})["resourceVersion"] = version
+    return Plan(summary, patch, tuple(describe_changes(obj, patch)))
+
+
+class Serverless:
+    def start(self, isvc: Mapping, version: str, uri: str, percent: int) -> dict:
+        patch: dict[str, Any] = {"spec": {"predictor": {"canaryTrafficPercent": percent, "model": {"storageUri": uri}}}}
+        if get(isvc, "metadata", "annotations", TAG_ROUTING_ANNOTATION) != "true":
+            # latest-/prev- hosts for both revisions; in the same patch as the new storageUri,
+            # which makes a new revision anyway.
+            patch["metadata"] = {"annotations": {TAG_ROUTING_ANNOTATION: "true"}}
+        return patch
+
+    def share(self, isvc: Mapping, percent: int) -> dict:
+        return {"spec": {"predictor": {"canaryTrafficPercent": percent}}}
+
+    def promote(self, isvc: Mapping, state: RolloutState) -> dict:
+        return {"spec": {"predictor": {"canaryTrafficPercent": None}}}
+
+    def rollback(self, isvc: Mapping, state: RolloutState, force: bool) -> tuple[str, dict]:
+        if state.phase == ROLLING_BACK:
+            _require_ready(state, force, "finish the rollback")
+            return (f"finish the rollback: the new revision of version {state.stable} gets all the traffic",
+                    {"spec": {"predictor": {"canaryTrafficPercent": None}}})
+        if state.stable_uri is None:
+            raise RolloutError(f"{state.name}: KServe reports no rolled-out revision of a registry version "
+                               "to go back to")
+        if state.percent == 100:
+            # KServe already counts the canary revision as rolled out, so pinning `prev` would point
+            # at it. Roll forward to the stable version instead: the canary keeps serving until that
+            # revision is ready, then it takes over.
+            return (f"roll back version {state.canary} (at 100%): version {state.stable} takes all the "
+                    "traffic once its new revision is ready",
+                    {"spec": {"predictor": {"canaryTrafficPercent": None, "model": {"storageUri": state.stable_uri}}}})
+        return (f"roll back version {state.canary}: all traffic to the previous revision (version "
+                f"{state.stable}) now; run `rollback` again once the reverted revision is ready to finish",
+                {"spec": {"predictor": {"canaryTrafficPercent": 0, "model": {"storageUri": state.stable_uri}}}})
+
+
+class Raw:
+    def start(self, isvc: Mapping, version: str, uri: str, percent: int) -> dict:
+        model_format = get(isvc, "spec", "predictor", "model", "modelFormat") or {"name": "triton"}
+        # Merged over spec.predictor by KServe: only the checkpoint differs. The name names the
+        # canary's Deployment and Service (<isvc>-v<V>-predictor).
+        entry = {"predictor": {"name": predictor_name(version),
+                               "model": {"name": PREDICTOR_CONTAINER, "modelFormat": copy.deepcopy(dict(model_format)),
+                                         "storageUri": uri}},
+                 "trafficPercent": percent}
+        return {"spec": {"canary": [entry]}}
+
+    def share(self, isvc: Mapping, percent: int) -> dict:
+        entry = copy.deepcopy(isvc["spec"]["canary"][0])
+        entry["trafficPercent"] = percent
+        return {"spec": {"canary": [entry]}}
+
+    def promote(self, isvc: Mapping, state: RolloutState) -> dict:
+        # The canary's Deployment becomes the stable one (KServe v0.20 InferenceServiceSpec.Canary:
+        # "To promote a canary without restart, set predictor.name to the canary name and remove
+        # the canary entry"); the old stable Deployment is deleted as an orphan.
+        name = get(isvc, "spec", "canary", default=[{}])[0].get("predictor", {}).get("name")
+        return {"spec": {"predictor": {"name": name, "model": {"storageUri": state.canary_uri}}, "canary": None}}
+
+    def rollback(self, isvc: Mapping, state: RolloutState, force: bool) -> tuple[str, dict]:
+        return (f"roll back the canary of version {state.canary}: version {state.stable} gets all the traffic",
+                {"spec": {"canary": None}})
+
+
+STRATEGIES = {SERVERLESS: Serverless(), RAW: Raw()}
+
+
+def _percent(percent: Any) -> int:
+    if isinstance(percent, bool) or not isinstance(percent, int) or not 0 <= percent <= 100:
+        raise RolloutError(f"--percent must be an integer from 0 to 100, got {percent!r}")
+    return percent
+
+
+def _refuse_drift(state: RolloutState) -> None:
+    if state.drift:
+        raise RolloutError(f"{state.name}: " + "; ".join(state.drift) +
+                           ". Settle it first (`cubeserve rollout status`), then run the command again")
+
+
+def plan_canary(isvc: Mapping, registry: VersionRegistry, version: str, percent: int,
+                revisions: Mapping[str, str] | None = None, mode: str | None = None) -> Plan:
+    """Start a canary of `version` with `percent` of the traffic, or change the share of the
+    canary of that same version. Refuses while another rollout is unfinished."""
+    percent = _percent(percent)
+    uri = registry.require(version)
+    state = rollout_state(isvc, registry, revisions, mode)
+    strategy = STRATEGIES[state.mode]
+    _refuse_drift(state)
+    if state.phase == ROLLING_BACK:
+        raise RolloutError(f"{state.name}: the rollback to version {state.stable} is not finished: "
+                           "run `cubeserve rollout rollback` again once its revision is ready")
+    if state.phase == UPDATING:
+        raise RolloutError(f"{state.name}: {state.summary()}; wait until KServe has finished")
+    if state.phase == CANARY:
+        if state.canary != version:
+            raise RolloutError(f"{state.name}: a canary of version {state.canary} ({state.percent}%) is "
+                               "in progress: promote it or roll it back first")
+        if state.percent == percent:
+            return Plan(f"canary of version {version} already at {percent}%: nothing to change")
+        return _plan(isvc, f"canary of version {version}: {state.percent}% -> {percent}%", strategy.share(isvc, percent))
+    if state.storage_uri is None:
+        raise RolloutError(f"{state.name} has no storageUri (it serves the model inside its image): "
+                           "nothing to roll out")
+    if state.stable is None:
+        raise RolloutError(f"{state.name}: its storageUri {state.storage_uri} is not a version of the "
+                           f"registry ({registry.base_uri}/<version>/), so a rollback would have "
+                           "nothing to return to")
+    if version == state.stable:
+        raise RolloutError(f"{state.name}: version {version} is already the stable version")
+    return _plan(isvc, f"canary of version {version} at {percent}% (stable: version {state.stable})",
+                 strategy.start(isvc, version, uri, percent))
+
+
+def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str] | None = None,
+                 mode: str | None = None, force: bool = False) -> Plan:
+    """Give the canary all the traffic and make it the stable version."""
+    state = rollout_state(isvc, registry, revisions, mode)
+    if state.phase in (STABLE, UPDATING):
+        return Plan(f"{state.name}: no canary in progress ({state.summary()}): nothing to promote")
+    if state.phase == ROLLING_BACK:
+        raise RolloutError(f"{state.name}: a rollback to version {state.stable} is in progress: "
+                           "finish it with `cubeserve rollout rollback`")
+    _refuse_drift(state)
+    _require_ready(state, force, "promote")
+    return _plan(isvc, f"promote version {state.canary} to stable (was version {state.stable})",
+                 STRATEGIES[state.mode].promote(isvc, state))
+
+
+def plan_rollback(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str] | None = None,
+                  mode: str | None = None, force: bool = False) -> Plan:
+    """Send all the traffic back to the stable version and drop the canary."""
+    state = rollout_state(isvc, registry, revisions, mode)
+    if state.phase in (STABLE, UPDATING):
+        return Plan(f"{state.name}: no canary in progress ({state.summary()}): nothing to roll back")
+    summary, patch = STRATEGIES[state.mode].rollback(isvc, state, force)
+    return _plan(isvc, summary, patch)
+
+
+def _require_ready(state: RolloutState, force: bool, action: str) -> None:
+    if force or state.ready:
+        return
+    what = "the canary deployment" if state.mode == RAW else "the revision for the current spec"
+    why = "is not ready yet" if state.ready is False else "has not been made by KServe yet"
+    raise NotReady(f"{state.name}: cannot {action}: {what} {why}; try again, pass --wait SECONDS, "
+                   "or --force")
+
+
+# -- the A/B overlay's InferenceGraph -----------------------------------------------------------
+
+def parse_weights(text: str) -> dict[str, int]:
+    """`a=80,b=20` -> {"a": 80, "b": 20} (names lower-cased)."""
+    weights: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, value = part.partition("=")
+        name = name.strip().lower()
+        if not sep or not name:
+            raise RolloutError(f"--weights takes NAME=WEIGHT pairs separated by commas, got {text!r}")
+        try:
+            weight = int(value)
+        except ValueError:
+            raise RolloutError(f"--weights: the weight of {name!r} must be an integer, got {value.strip()!r}") from None
+        if not 0 <= weight <= 100:
+            raise RolloutError(f"--weights: the weight of {name!r} must be from 0 to 100, got {weight}")
+        if name in weights:
+            raise RolloutError(f"--weights: {name!r} is given twice")
+        weights[name] = weight
+    return weights
+
+
+def plan_ab(graph: Mapping, weights: Mapping[str, int], node: str = "root") -> Plan:
+    """Set the weights of the Splitter node's steps, by step name (case-insensitive)."""
+    name = object_name(graph)
+    router = get(graph, "spec", "nodes", node)
+    if not router or router.get("routerType") != "Splitter":
+        raise RolloutError(f"InferenceGraph {name}: node {node!r} is not a Splitter")
+    steps = router.get("steps") or []
+    names = [str(s.get("name", "")).lower() for s in steps]
+    if "" in names:
+        raise RolloutError(f"InferenceGraph {name}: every step of {node!r} needs a name to be weighted")
+    weights = {k.lower(): v for k, v in weights.items()}
+    for key, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= 100:
+            raise RolloutError(f"the weight of {key!r} must be an integer from 0 to 100, got {weight!r}")
+    unknown = sorted(set(weights) - set(names))
+    missing = [n for n in names if n not in weights]
+    if unknown:
+        raise RolloutError(f"InferenceGraph {name}: no step named {', '.join(unknown)} (steps: {', '.join(names)})")
+    if missing:
+        raise RolloutError(f"InferenceGraph {name}: give a weight to every step (missing: {', '.join(missing)})")
+    if sum(weights.values()) != 100:
+        raise RolloutError(f"the weights must add up to 100, got {sum(weights.values())}")
+    before = ",".join(f"{n}={s.get('weight')}" for n, s in zip(names, steps))
+    after = ",".join(f"{n}={weights[n]}" for n in names)
+    if before == after:
+        return Plan(f"InferenceGraph {name}: weights already {after}: nothing to change")
+    new_steps = [dict(copy.deepcopy(s), weight=weights[n]) for n, s in zip(names, steps)]
+    return _plan(graph, f"InferenceGraph {name}: weights {before} -> {after}",
+                 {"spec": {"nodes": {node: {"steps": new_steps}}}})

@@ -1,0 +1,362 @@
+"""Stand-ins for the cluster parts that cannot run here, each following the source it cites.
+
+* `ObjectStore`: what the Kubernetes API server does with a custom object: JSON merge patches
+  (its own RFC 7386 implementation, not the one under test), the generation bumped only when
+  something outside metadata and status changes, resourceVersion preconditions, field managers
+  (metadata.managedFields) for updates, and server-side apply with its conflicts.
+    - generation: k8s.io/apiextensions-apiserver pkg/registry/customresource/strategy.go,
+      PrepareForUpdate (with the status subresource: "any changes to the spec increment the
+      generation number").
+    - managed fields and conflicts: https://kubernetes.io/docs/reference/using-api/server-side-apply/
+      ("Conflicts", "Merge strategy"): an update takes the fields it changed from their other
+      owners; an apply that would change a field another manager owns is a 409 Conflict unless
+      forced; lists marked atomic (spec.canary: +listType=atomic) are one field.
+* `KServeController`: the status KServe v0.20.0's controller writes (tags v0.14.0-v0.20.0 agree on
+  everything used here except spec.canary, new in v0.20.0), with the Knative Serving behaviour it
+  relies on. Line numbers are at tag v0.20.0 of github.com/kserve/kserve:
+    - Serverless traffic: pkg/controller/v1beta1/inferenceservice/reconcilers/knative/
+      ksvc_reconciler.go 133-164: with canaryTrafficPercent and a latestRolledoutRevision, the
+      latest revision gets the percent (tag `latest` with tag routing) and the last rolled-out
+      revision the rest (tag `prev`); otherwise the latest revision gets 100%.
+    - Serverless status: pkg/apis/serving/v1beta1/inference_service_status.go 567-636
+      (PropagateStatus): latestCreated/latestReady copied from the Knative Service, the rolled-out
+      revisions tracked from its traffic, `observedGeneration` = the Knative Service's.
+    - Knative: a `latestRevision: true` target routes to the latest *ready* revision; a new
+      revision is made when the Knative Service's template changes (annotations and pod spec,
+      not traffic).
+    - Raw: pkg/controller/v1beta1/inferenceservice/components/predictor.go 913-1037
+      (reconcileCanaryDeployments): one Deployment `<isvc>-<name>-predictor` per canary,
+      canaryStatuses {name, ready = AvailableReplicas > 0, trafficPercent}, the
+      CanaryPredictorReady condition, and orphaned predictor Deployments deleted; the stable
+      Deployment is named from spec.predictor.name (pkg/constants/constants.go 799-804).
+    - Raw status: inference_service_status.go 360-457 (PropagateRawStatus): PredictorReady from
+      the stable Deployment's Available condition, `observedGeneration` = the stable
+      Deployment's.
+    - Raw traffic on v0.20.0: the Ingress / HTTPRoute points at the stable predictor's Service
+      only (reconcilers/ingress/kube_ingress_reconciler.go 150, httproute_reconciler.go 266);
+      trafficPercent sizes the canary's replicas (predictor.go 886-895) and routes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+ANNOTATION_URI = "internal.serving.kserve.io/storage-initializer-sourceuri"
+
+
+class ApiError(Exception):
+    """An API server error response (stands for kubernetes.client's ApiException)."""
+
+    def __init__(self, status: int, reason: str, message: str = ""):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+def json_merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386, section 2 (the pseudo-code, written out)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for name, value in patch.items():
+        if value is None:
+            result.pop(name, None)
+        else:
+            result[name] = json_merge_patch(result.get(name), value)
+    return copy.deepcopy(result)
+
+
+_SYSTEM_METADATA = {"resourceVersion", "generation", "managedFields", "uid", "creationTimestamp", "name", "namespace"}
+
+
+def leaves(obj: Any, prefix: tuple = ()) -> dict[tuple, Any]:
+    """Field path -> value, down to scalars; lists are atomic; system metadata left out."""
+    out = {}
+    if isinstance(obj, dict) and obj:
+        for key, value in obj.items():
+            if prefix == ("metadata",) and key in _SYSTEM_METADATA or prefix == () and key == "status":
+                continue
+            out.update(leaves(value, (*prefix, key)))
+    elif prefix:
+        out[prefix] = obj
+    return out
+
+
+def _fields_v1(paths) -> dict:
+    tree: dict = {}
+    for path in paths:
+        node = tree
+        for key in path:
+            node = node.setdefault(f"f:{key}", {})
+    return tree
+
+
+def _without(obj: dict, paths) -> dict:
+    obj = copy.deepcopy(obj)
+    for path in sorted(paths, key=len, reverse=True):
+        node = obj
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return obj
+
+
+class ObjectStore:
+    """One custom object as the API server keeps it."""
+
+    def __init__(self, obj: dict, manager: str = "kubectl", operation: str = "Apply"):
+        self.obj = copy.deepcopy(obj)
+        self.obj["metadata"].update(resourceVersion="1", generation=1)
+        self.owners: dict[str, set] = {manager: set(leaves(self.obj))}
+        self.operations = {manager: operation}
+        self._render_managed_fields()
+
+    def get(self) -> dict:
+        return copy.deepcopy(self.obj)
+
+    def _store(self, new: dict) -> dict:
+        old = self.obj
+        new["metadata"]["resourceVersion"] = str(int(old["metadata"]["resourceVersion"]) + 1)
+        content = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
+        generation = old["metadata"]["generation"] + (content(new) != content(old))
+        new["metadata"]["generation"] = generation
+        self.obj = new
+        self._render_managed_fields()
+        return self.get()
+
+    def _render_managed_fields(self) -> None:
+        self.owners = {m: f for m, f in self.owners.items() if f}
+        self.obj["metadata"]["managedFields"] = [
+            {"manager": m, "operation": self.operations.get(m, "Update"), "apiVersion": self.obj["apiVersion"],
+             "fieldsType": "FieldsV1", "fieldsV1": _fields_v1(sorted(fields))}
+            for m, fields in sorted(self.owners.items())]
+
+    def _check_precondition(self, patch: dict) -> None:
+        wanted = (patch.get("metadata") or {}).get("resourceVersion")
+        if wanted is not None and wanted != self.obj["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", "the object has been modified; please apply your changes to the latest version")
+
+    def update(self, patch: dict, manager: str) -> dict:
+        """A merge patch (operation Update) by `manager`."""
+        self._check_precondition(patch)
+        patch = copy.deepcopy(patch)
+        patch.get("metadata", {}).pop("resourceVersion", None)
+        before = leaves(self.obj)
+        new = json_merge_patch(self.obj, patch)
+        new["status"] = copy.deepcopy(self.obj.get("status"))
+        if new["status"] is None:
+            del new["status"]
+        after = leaves(new)
+        changed = {p for p, v in after.items() if before.get(p, object()) != v}
+        gone = set(before) - set(after)
+        for m in self.owners:
+            self.owners[m] = {p for p in self.owners[m] if p not in changed and p not in gone
+                              and not any(p[:len(c)] == c for c in changed)}
+        self.owners.setdefault(manager, set()).update(changed)
+        self.operations.setdefault(manager, "Update")
+        return self._store(new)
+
+    def apply(self, config: dict, manager: str, force: bool = False) -> dict:
+        """Server-side apply of `config` (operation Apply) by `manager`."""
+        live = leaves(self.obj)
+        wanted = leaves(config)
+        conflicts = sorted((p, m) for p, v in wanted.items() if live.get(p, object()) != v and p in live
+                           for m, fields in self.owners.items() if m != manager and p in fields)
+        if conflicts and not force:
+            raise ApiError(409, "Conflict", "Apply failed with %d conflict(s): " % len(conflicts) + "; ".join(
+                f'conflict with "{m}": .{".".join(p)}' for p, m in conflicts))
+        # Fields this manager applied before and no longer applies are removed, unless shared.
+        dropped = {p for p in self.owners.get(manager, set()) - set(wanted)
+                   if not any(p in f for m, f in self.owners.items() if m != manager)}
+        new = json_merge_patch(_without(self.obj, dropped), {k: v for k, v in config.items() if k != "status"})
+        changed = {p for p, v in wanted.items() if live.get(p, object()) != v}
+        for m in self.owners:
+            if m != manager:
+                self.owners[m] -= changed
+        self.owners[manager] = set(wanted)
+        self.operations[manager] = "Apply"
+        return self._store(new)
+
+    def write_status(self, status: dict) -> None:
+        new = copy.deepcopy(self.obj)
+        new["status"] = status
+        self._store(new)
+
+
+def predictor_service_name(isvc: str, predictor: str | None) -> str:
+    """pkg/constants/constants.go 799-804."""
+    return f"{isvc}-{predictor}-predictor" if predictor else f"{isvc}-predictor"
+
+
+class KServeController:
+    """Reconciles one InferenceService of an ObjectStore as KServe (and Knative) would; pods come
+    up only when a test says so (`start_pods`)."""
+
+    def __init__(self, store: ObjectStore):
+        self.store = store
+        self.revisions: list[dict] = []  # Knative: {"name", "uri", "template", "ready"}
+        self.ksvc_generation = 0
+        self.ksvc_template = None
+        self.ksvc_spec = None
+        self.deployments: dict[str, dict] = {}  # Raw: name -> {"uri", "serving", "generation"}
+        self.model_starts: list[str] = []  # every model server that had to start (download + load)
+        self.deleted: list[str] = []
+        self.traffic_history: list[list[tuple[str, int]]] = []  # (uri, percent) served after each reconcile
+
+    # -- Serverless -----------------------------------------------------------------------------
+
+    def _template(self, isvc: dict) -> str:
+        annotations = dict(isvc["metadata"].get("annotations") or {})
+        predictor = {k: v for k, v in isvc["spec"]["predictor"].items() if k != "canaryTrafficPercent"}
+        return json.dumps({"annotations": annotations, "predictor": predictor}, sort_keys=True)
+
+    def bump_ksvc(self) -> None:
+        """KServe re-renders the Knative Service without a new revision (e.g. its ingress or
+        deploy config changed): only the Knative Service's generation moves."""
+        self.ksvc_generation += 1
+        self.reconcile()
+
+    def _reconcile_serverless(self, isvc: dict) -> dict:
+        name = isvc["metadata"]["name"]
+        template = self._template(isvc)
+        status = copy.deepcopy(isvc.get("status") or {})
+        component = status.setdefault("components", {}).setdefault("predictor", {})
+        rolled = component.get("latestRolledoutRevision", "")
+        if template != self.ksvc_template:
+            self.ksvc_template = template
+            uri = isvc["spec"]["predictor"]["model"].get("storageUri")
+            self.revisions.append({"name": f"{name}-predictor-{len(self.revisions) + 1:05d}", "uri": uri,
+                                   "ready": False})
+            self.model_starts.append(self.revisions[-1]["name"])
+        percent = isvc["spec"]["predictor"].get("canaryTrafficPercent")
+        tag_routing = (isvc["metadata"].get("annotations") or {}).get("serving.kserve.io/enable-tag-routing") == "true"
+        # ksvc_reconciler.go 133-164
+        if percent is not None and rolled:
+            targets = [{"latestRevision": True, "percent": percent, **({"tag": "latest"} if tag_routing else {})}]
+            if percent < 100:
+                targets.append({"revisionName": rolled, "latestRevision": False, "percent": 100 - percent, "tag": "prev"})
+        else:
+            targets = [{"latestRevision": True, "percent": 100, **({"tag": "latest"} if tag_routing else {})}]
+        ksvc_spec = json.dumps([template, targets], sort_keys=True)
+        if ksvc_spec != self.ksvc_spec:  # KServe updates the Knative Service: its generation moves
+            self.ksvc_spec = ksvc_spec
+            self.ksvc_generation += 1
+        created = self.revisions[-1]["name"]
+        ready_revisions = [r["name"] for r in self.revisions if r["ready"]]
+        latest_ready = ready_revisions[-1] if ready_revisions else ""
+        traffic = []
+        for t in targets:  # Knative resolves `latestRevision` to the latest ready revision
+            revision = latest_ready if t.get("latestRevision") else t["revisionName"]
+            if revision:
+                traffic.append({**t, "revisionName": revision})
+        # inference_service_status.go 567-636 (PropagateStatus)
+        revision_traffic: dict[str, int] = {}
+        for t in traffic:
+            revision_traffic[t["revisionName"]] = revision_traffic.get(t["revisionName"], 0) + t["percent"]
+        component["latestCreatedRevision"] = created
+        for t in traffic:
+            if t["revisionName"] == latest_ready and t.get("latestRevision"):
+                if component.get("latestRolledoutRevision") != latest_ready:
+                    if t["percent"] == 100:
+                        component["previousRolledoutRevision"] = component.get("latestRolledoutRevision", "")
+                        component["latestRolledoutRevision"] = latest_ready
+                elif latest_ready == created and t["percent"] < 100:
+                    if revision_traffic.get(t["revisionName"]) == 100 and component.get("previousRolledoutRevision"):
+                        component["latestRolledoutRevision"] = component["previousRolledoutRevision"]
+        component["latestReadyRevision"] = latest_ready
+        component["traffic"] = traffic
+        ready = bool(latest_ready) and latest_ready == created
+        status["conditions"] = [{"type": t, "status": "True" if ready else "False"} for t in ("PredictorReady", "Ready")]
+        status["observedGeneration"] = self.ksvc_generation
+        status["deploymentMode"] = "Serverless"
+        uris = {r["name"]: r["uri"] for r in self.revisions}
+        self.traffic_history.append([(uris[t["revisionName"]], t["percent"]) for t in traffic])
+        return status
+
+    def revision_uris(self) -> dict[str, str]:
+        return {r["name"]: r["uri"] for r in self.revisions}
+
+    def revision_object(self, name: str) -> dict | None:
+        for r in self.revisions:
+            if r["name"] == name:
+                return {"apiVersion": "serving.knative.dev/v1", "kind": "Revision",
+                        "metadata": {"name": name, "annotations": {ANNOTATION_URI: r["uri"]}}}
+        return None
+
+    # -- RawDeployment ----------------------------------------------------------------------------
+
+    def _deployment(self, name: str, uri: str | None) -> dict:
+        deployment = self.deployments.get(name)
+        if deployment is None:
+            deployment = self.deployments[name] = {"uri": uri, "serving": None, "generation": 1}
+            self.model_starts.append(name)
+        elif deployment["uri"] != uri:  # a new pod template: a rolling update starts a new pod
+            deployment.update(uri=uri, generation=deployment["generation"] + 1)
+            self.model_starts.append(name)
+        return deployment
+
+    def _reconcile_raw(self, isvc: dict) -> dict:
+        name = isvc["metadata"]["name"]
+        spec = isvc["spec"]
+        status = copy.deepcopy(isvc.get("status") or {})
+        stable_name = predictor_service_name(name, spec["predictor"].get("name"))
+        stable = self._deployment(stable_name, spec["predictor"]["model"].get("storageUri"))
+        expected = {stable_name}
+        canary_statuses = []
+        for canary in spec.get("canary") or []:  # predictor.go 913-1000
+            merged = json_merge_patch(spec["predictor"], canary["predictor"])
+            deployment_name = predictor_service_name(name, canary["predictor"]["name"])
+            expected.add(deployment_name)
+            deployment = self._deployment(deployment_name, merged["model"].get("storageUri"))
+            canary_statuses.append({"name": canary["predictor"]["name"], "ready": deployment["serving"] is not None,
+                                    "trafficPercent": canary["trafficPercent"]})
+        conditions = [c for c in status.get("conditions", []) if c["type"] != "CanaryPredictorReady"]
+        if canary_statuses:
+            status["canaryStatuses"] = canary_statuses
+            all_ready = all(c["ready"] for c in canary_statuses)
+            conditions.append({"type": "CanaryPredictorReady", "status": "True" if all_ready else "False",
+                               "reason": "AllCanariesReady" if all_ready else "CanariesNotReady"})
+        else:
+            status.pop("canaryStatuses", None)
+        for orphan in sorted(set(self.deployments) - expected):  # predictor.go 1002-1019
+            del self.deployments[orphan]
+            self.deleted.append(orphan)
+        # PropagateRawStatus: Available as soon as a pod (old or new) is available.
+        ready = stable["serving"] is not None
+        conditions = [c for c in conditions if c["type"] not in ("PredictorReady", "Ready")]
+        conditions += [{"type": t, "status": "True" if ready else "False"} for t in ("PredictorReady", "Ready")]
+        status["conditions"] = conditions
+        status["observedGeneration"] = stable["generation"]
+        status["deploymentMode"] = "RawDeployment"
+        # The Ingress sends everything to the stable predictor's Service (v0.20.0).
+        self.traffic_history.append([(stable["serving"], 100)] if ready else [])
+        return status
+
+    # -- both -----------------------------------------------------------------------------------
+
+    def raw(self) -> bool:
+        mode = (self.store.obj["metadata"].get("annotations") or {}).get("serving.kserve.io/deploymentMode", "")
+        return mode.lower() in ("rawdeployment", "standard")
+
+    def reconcile(self) -> dict:
+        isvc = self.store.get()
+        status = self._reconcile_raw(isvc) if self.raw() else self._reconcile_serverless(isvc)
+        self.store.write_status(status)
+        return self.store.get()
+
+    def start_pods(self, name: str | None = None) -> dict:
+        """The pods of a revision or Deployment (default: every one) become ready; KServe then
+        reconciles."""
+        for r in self.revisions:
+            if name in (None, r["name"]):
+                r["ready"] = True
+        for deployment_name, d in self.deployments.items():
+            if name in (None, deployment_name):
+                d["serving"] = d["uri"]
+        return self.reconcile()
+
+    def serving(self) -> list[tuple[str, int]]:
+        """(storage URI, percent) that live traffic reaches now."""
+        return self.traffic_history[-1] if self.traffic_history else []
