@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import trimesh
@@ -42,11 +43,26 @@ def test_generate_end_to_end(tiny_weights, make_engine, tmp_path):
     assert torch.equal(torch.tensor(tokens), expected)
 
 
-def test_generate_obj_with_bbox(tiny_bbox_weights, tmp_path):
-    out = tmp_path / "box.obj"
-    run_cli("generate", "a crate", "--weights", str(tiny_bbox_weights), "--out", str(out), "--resolution", "4",
-            "--bbox", "1,2,0.5", "--single-block", "causal", "--device", "cpu")
-    assert out.read_text().startswith(("#", "v ", "o "))
+def test_generate_obj_with_bbox(tiny_bbox_weights, make_engine, tmp_path):
+    """The OBJ holds the mesh of the tokens the box conditioned: the in-process engine's
+    vertices and faces, in the grid's bounds. (For this prompt the box changes the tokens.)"""
+    out, tokens_file = tmp_path / "box.obj", tmp_path / "tokens.json"
+    run_cli("generate", "a red chair", "--weights", str(tiny_bbox_weights), "--out", str(out), "--resolution", "4",
+            "--bbox", "1,2,0.5", "--single-block", "causal", "--device", "cpu", "--save-tokens", str(tokens_file))
+    engine = make_engine("tiny-bbox", "causal")
+    tokens = engine.generate_tokens([GenerationRequest("a red chair", bbox=(1, 2, 0.5))])
+    assert json.loads(tokens_file.read_text()) == tokens[0].tolist()
+    assert not torch.equal(tokens, engine.generate_tokens([GenerationRequest("a red chair")]))
+    expected = engine.tokens_to_meshes(tokens, [4])[0]
+
+    text = out.read_text()
+    records = [line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert set(records) == {"v", "f"}, set(records)  # geometry only
+    assert records.count("v") == len(expected.vertices) > 0 and records.count("f") == len(expected.faces) > 0
+    mesh = trimesh.load(io.StringIO(text), file_type="obj", process=False, force="mesh")
+    assert np.array_equal(mesh.faces, expected.faces)
+    np.testing.assert_allclose(mesh.vertices, expected.vertices, rtol=0, atol=1e-5)
+    assert np.abs(mesh.vertices).max() <= 1.05
 
 
 def test_bad_values_exit_with_a_message_naming_the_field(tiny_weights, tmp_path):

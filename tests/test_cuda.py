@@ -41,12 +41,19 @@ def test_graphs_with_requests_joining_mid_generation(cuda_engine, run_steps):
         assert torch.equal(done[slot], expected)
 
 
-def test_bfloat16_scheduler_with_graphs_serves_concurrent_requests(tiny_weights):
+def test_bfloat16_scheduler_with_graphs_serves_concurrent_requests(tiny_weights, float32_shortfall):
+    """bfloat16 tokens may part from float32's at a near-tie (and batch shapes change cuBLAS's
+    rounding); what must hold is that every token is float32's best choice given the tokens
+    before it: a wrong row, slot or condition would fall far short."""
     engine = Engine.from_dir(tiny_weights, device="cuda", dtype="bfloat16")
+    prompts = ["a red chair", "a lamp", "a boat", "a mug", "a wooden table", "a sports car", "a dragon", ""]
+    reqs = [Req(p, resolution=5, guidance_scale=0.0 if i % 4 == 3 else 3.0) for i, p in enumerate(prompts)]
     with Scheduler(engine, max_objects=8) as sched:
         assert sched.pool.graphs is not None
-        results = [t.result(timeout=120) for t in [sched.submit(Req(f"thing {i}", resolution=5)) for i in range(8)]]
+        results = [t.result(timeout=120) for t in [sched.submit(r) for r in reqs]]
     assert all(not r.mesh.empty and len(r.tokens) == engine.cfg.num_tokens for r in results)
+    for r, res in zip(reqs, results):
+        assert float32_shortfall(r, res.tokens) < float32_shortfall.bfloat16_bound, r.prompt
 
 
 def test_warp_marching_cubes_on_the_gpu_gives_the_cpu_mesh():
