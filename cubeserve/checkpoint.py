@@ -155,11 +155,20 @@ def validate_dir(weights_dir: str | Path, config: ModelConfig | str | None = Non
     weights_dir = Path(weights_dir)
     if not weights_dir.is_dir():
         raise CheckpointError(f"{weights_dir}: not a directory")
-    for p in sorted(weights_dir.iterdir()):
+    # Every file, clip/ included: a pickle anywhere fails the directory, whatever would read it.
+    for p in sorted(q for q in weights_dir.rglob("*") if q.is_file()):
+        rel = p.relative_to(weights_dir).as_posix()
         if p.suffix in PICKLE_SUFFIXES:
-            raise CheckpointError(f"{p.name}: pickled weights files are never loaded; use safetensors")
-        if p.suffix == ".safetensors" and p.name not in (GPT_FILE, TOKENIZER_FILE):
+            hint = (f" (the CLIP text model is read from {CLIP_DIR}/model.safetensors: remove {rel})"
+                    if rel.startswith(CLIP_DIR + "/") else "")
+            raise CheckpointError(f"{rel}: pickled weights files are never loaded; use safetensors{hint}")
+        if p.suffix == ".safetensors" and p.parent == weights_dir and p.name not in (GPT_FILE, TOKENIZER_FILE):
             raise CheckpointError(f"{p.name}: unexpected weights file; expected only {GPT_FILE} and {TOKENIZER_FILE}")
+        if p.suffix == ".safetensors" and p.parent != weights_dir:
+            try:
+                read_safetensors_header(p)  # a pickle behind a .safetensors name
+            except CheckpointError as exc:
+                raise CheckpointError(f"{rel}: {str(exc).split(': ', 1)[-1]}") from None
     for name in (GPT_FILE, TOKENIZER_FILE):
         if not (weights_dir / name).is_file():
             raise CheckpointError(f"{name}: missing from {weights_dir}")

@@ -100,3 +100,23 @@ def test_missing_clip_directory_says_what_to_put_there(weights_copy):
     shutil.rmtree(weights_copy / "clip")
     with pytest.raises(FileNotFoundError, match="clip-vit-large-patch14"):
         Engine.from_dir(weights_copy)
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "training_args.pkl"])
+def test_a_pickle_inside_the_clip_directory_is_refused(weights_copy, name):
+    """The CLIP folder is read by transformers; a pickle there fails the whole directory before
+    anything is loaded, as one beside the safetensors files does."""
+    (weights_copy / "clip" / name).write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointError, match=f"clip/{name}: pickled weights files are never loaded"):
+        validate_dir(weights_copy)
+    with pytest.raises(CheckpointError, match=f"clip/{name}"):
+        Engine.from_dir(weights_copy)
+
+
+def test_a_pickle_behind_the_clip_safetensors_name_is_refused(weights_copy):
+    state = load_file(str(weights_copy / "clip" / "model.safetensors"))
+    (weights_copy / "clip" / "model.safetensors").unlink()  # the state maps the old file
+    torch.save(state, weights_copy / "clip" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="clip/model.safetensors: this is a pickled PyTorch file"):
+        Engine.from_dir(weights_copy)
+
