@@ -120,3 +120,41 @@ def test_a_pickle_behind_the_clip_safetensors_name_is_refused(weights_copy):
     with pytest.raises(CheckpointError, match="clip/model.safetensors: this is a pickled PyTorch file"):
         Engine.from_dir(weights_copy)
 
+
+def _identity_vq_config():
+    """Tiny, with the shape tokenizer's width equal to its code dimension."""
+    import dataclasses
+
+    from cubeserve.config import TINY
+
+    tok = dataclasses.replace(TINY.tokenizer, width=TINY.tokenizer.embed_dim)
+    return dataclasses.replace(TINY, name="tiny-identity-vq", tokenizer=tok)
+
+
+def test_width_equal_to_the_code_dimension_has_identity_projections(tmp_path):
+    """The reference's spherical VQ has no c_in / c_x / c_out when the shape model's width equals
+    its embed_dim (they are nn.Identity): such a checkpoint loads, and the codes go to the
+    decoder unprojected."""
+    from cubeserve.checkpoint import read_safetensors_header
+    from cubeserve.engine import GenerationRequest
+
+    cfg = _identity_vq_config()
+    weights = write_random_weights(cfg, tmp_path / "w", seed=2)
+    header = read_safetensors_header(weights / TOKENIZER_FILE)
+    assert not [n for n in header if n.startswith("bottleneck.block.c_")]
+    assert "bottleneck.block.codebook.weight" in header
+    assert validate_dir(weights)[0] == cfg
+
+    engine = Engine.from_dir(weights)
+    vq = engine.tokenizer.bottleneck.block
+    ids = torch.randint(0, cfg.tokenizer.num_codes, (2, cfg.num_tokens), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(vq.lookup(ids), vq.normalized_codebook()[ids])
+    assert torch.equal(engine.tokenizer.decode_tokens(ids), engine.tokenizer.decoder(vq.normalized_codebook()[ids]))
+    # The whole path runs (random weights this narrow need not enclose a surface).
+    assert len(engine.generate([GenerationRequest("a red chair", resolution=4)])[0].tokens) == cfg.num_tokens
+
+
+def test_width_unlike_the_code_dimension_still_needs_the_projections(weights_copy):
+    _rewrite(weights_copy / TOKENIZER_FILE, lambda s: s.pop("bottleneck.block.c_out.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors \['bottleneck.block.c_out.weight'\]"):
+        load_models(weights_copy)

@@ -179,9 +179,9 @@ def _quantize_straight_through(tok: ShapeTokenizer, z: torch.Tensor, quantize: b
     """Encoder latents -> (decoder input, ids or None, VQ loss terms). Same arithmetic as
     SphericalVQ.quantize + lookup, so decoding the ids at serving time gives these latents."""
     vq = tok.bottleneck.block
-    z_e = rms_norm_noaffine(linear(vq.c_in, z.float()), eps=1e-5)
+    z_e = rms_norm_noaffine(vq.project_in(z.float()), eps=1e-5)
     if not quantize:
-        return linear(vq.c_out, z_e), None, z_e.new_zeros(()), z_e.new_zeros(())
+        return vq.project_out(z_e), None, z_e.new_zeros(()), z_e.new_zeros(())
     codebook = vq.normalized_codebook()
     with torch.no_grad():
         ids = torch.cdist(z_e.reshape(-1, z_e.shape[-1]), codebook).argmin(1).view(z.shape[:-1])
@@ -189,7 +189,7 @@ def _quantize_straight_through(tok: ShapeTokenizer, z: torch.Tensor, quantize: b
     codebook_loss = F.mse_loss(z_q, z_e.detach())
     commit_loss = F.mse_loss(z_e, z_q.detach())
     z_st = z_e + (z_q - z_e).detach()  # value z_q, gradient of the identity to z_e
-    return linear(vq.c_out, z_st), ids, codebook_loss, commit_loss
+    return vq.project_out(z_st), ids, codebook_loss, commit_loss
 
 
 @torch.no_grad()
@@ -197,7 +197,7 @@ def _reseed_codes(tok: ShapeTokenizer, codes: torch.Tensor, z: torch.Tensor, gen
     """Point `codes` at random recent encoder outputs. Works in the raw codebook's space by
     inverting the affine (cb_weight, cb_bias); the RMS normalisation makes scale irrelevant."""
     vq = tok.bottleneck.block
-    z_e = rms_norm_noaffine(linear(vq.c_in, z.float()), eps=1e-5).reshape(-1, vq.codebook.weight.shape[1])
+    z_e = rms_norm_noaffine(vq.project_in(z.float()), eps=1e-5).reshape(-1, vq.codebook.weight.shape[1])
     pick = z_e[torch.randint(len(z_e), (len(codes),), generator=gen)]
     vq.codebook.weight[codes] = (pick - vq.cb_bias) / vq.cb_weight.clamp_min(1e-3)
 

@@ -148,9 +148,14 @@ class SphericalVQ(nn.Module):
     def __init__(self, cfg: TokenizerConfig):
         super().__init__()
         self.codebook = nn.Embedding(cfg.num_codes, cfg.embed_dim)
-        self.c_in = nn.Linear(cfg.width, cfg.embed_dim)
-        self.c_x = nn.Linear(cfg.width, cfg.embed_dim)  # stored by the reference, unused at inference
-        self.c_out = nn.Linear(cfg.embed_dim, cfg.width)
+        if cfg.width != cfg.embed_dim:
+            self.c_in = nn.Linear(cfg.width, cfg.embed_dim)
+            self.c_x = nn.Linear(cfg.width, cfg.embed_dim)  # stored by the reference, unused at inference
+            self.c_out = nn.Linear(cfg.embed_dim, cfg.width)
+        else:
+            # As the reference: a width equal to the code dimension needs no projections, and
+            # its checkpoints hold no c_in / c_x / c_out tensors.
+            self.c_in = self.c_x = self.c_out = nn.Identity()
         self.norm = RMSNorm(cfg.embed_dim, affine=False)
         self.cb_weight = nn.Parameter(torch.ones(cfg.embed_dim))
         self.cb_bias = nn.Parameter(torch.zeros(cfg.embed_dim))
@@ -160,12 +165,20 @@ class SphericalVQ(nn.Module):
         cb = self.codebook.weight.float() * self.cb_weight.float() + self.cb_bias.float()
         return rms_norm_noaffine(cb, eps=1e-5)
 
+    def project_in(self, z: torch.Tensor) -> torch.Tensor:
+        """c_in: encoder width -> code dimension (the identity where they are equal)."""
+        return z if isinstance(self.c_in, nn.Identity) else linear(self.c_in, z)
+
+    def project_out(self, z: torch.Tensor) -> torch.Tensor:
+        """c_out: code dimension -> decoder width (the identity where they are equal)."""
+        return z if isinstance(self.c_out, nn.Identity) else linear(self.c_out, z)
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return linear(self.c_out, self.normalized_codebook()[ids])
+        return self.project_out(self.normalized_codebook()[ids])
 
     def quantize(self, z: torch.Tensor) -> torch.Tensor:
         """Encoder latents [B, N, width] -> nearest code ids [B, N]."""
-        z_e = rms_norm_noaffine(linear(self.c_in, z.float()).float(), eps=1e-5)
+        z_e = rms_norm_noaffine(self.project_in(z.float()).float(), eps=1e-5)
         codebook = self.normalized_codebook()
         d = torch.cdist(z_e.reshape(-1, z_e.shape[-1]), codebook)
         return d.argmin(dim=1).view(z.shape[:-1])
