@@ -14,7 +14,7 @@ from torch import nn
 
 from cubeserve.config import TokenizerConfig
 from cubeserve.model.layers import (
-    GeluMLP, RMSNorm, attention, layer_norm, linear, merge_heads, rms_norm_noaffine, split_heads,
+    GeluMLP, RMSNorm, attention, layer_norm, linear, merge_heads, split_heads,
 )
 
 
@@ -156,14 +156,18 @@ class SphericalVQ(nn.Module):
             # As the reference: a width equal to the code dimension needs no projections, and
             # its checkpoints hold no c_in / c_x / c_out tensors.
             self.c_in = self.c_x = self.c_out = nn.Identity()
-        self.norm = RMSNorm(cfg.embed_dim, affine=False)
+        # The reference's RMSNorm(elementwise_affine=False) still multiplies by its weight, a
+        # frozen parameter (ones unless a checkpoint says otherwise): so does this one.
+        self.norm = RMSNorm(cfg.embed_dim)
+        self.norm.weight.requires_grad_(False)
         self.cb_weight = nn.Parameter(torch.ones(cfg.embed_dim))
         self.cb_bias = nn.Parameter(torch.zeros(cfg.embed_dim))
 
     def normalized_codebook(self) -> torch.Tensor:
-        """RMSNorm_noaffine(codebook * cb_weight + cb_bias) in fp32 (also the GPT's wte rows)."""
+        """RMSNorm(codebook * cb_weight + cb_bias) in fp32, times the norm's stored weight (also
+        the GPT's wte rows)."""
         cb = self.codebook.weight.float() * self.cb_weight.float() + self.cb_bias.float()
-        return rms_norm_noaffine(cb, eps=1e-5)
+        return self.norm(cb)
 
     def project_in(self, z: torch.Tensor) -> torch.Tensor:
         """c_in: encoder width -> code dimension (the identity where they are equal)."""
@@ -178,7 +182,7 @@ class SphericalVQ(nn.Module):
 
     def quantize(self, z: torch.Tensor) -> torch.Tensor:
         """Encoder latents [B, N, width] -> nearest code ids [B, N]."""
-        z_e = rms_norm_noaffine(self.project_in(z.float()).float(), eps=1e-5)
+        z_e = self.norm(self.project_in(z.float()).float())
         codebook = self.normalized_codebook()
         d = torch.cdist(z_e.reshape(-1, z_e.shape[-1]), codebook)
         return d.argmin(dim=1).view(z.shape[:-1])
