@@ -29,9 +29,20 @@ IMAGE_MODEL_REPOSITORY = "/opt/cube-serve/triton_models"
 # Non-root user of the runtime image; numeric so that Kubernetes can check runAsNonRoot.
 IMAGE_UID = 10001
 
+# Seconds a request may take end to end: the InferenceService predictor's `timeout` (KServe
+# makes it the Knative revision's timeoutSeconds, or the HTTPRoute's timeout; a plain Ingress
+# needs its controller's own setting: README, "Draining"). A large mesh at high resolution is slow.
+REQUEST_TIMEOUT_S = 600
+# Triton's --exit-timeout-secs (its default is 30): how long tritonserver, once signalled, waits
+# for open HTTP connections and then for the requests in flight before it exits and cuts them.
+# As long as a request may take, so that a SIGTERM without a drain first (Serverless mode, where
+# Knative's queue-proxy drains, `docker stop`, Ctrl-C) cuts nothing a client still waits for.
+EXIT_TIMEOUT_S = REQUEST_TIMEOUT_S
+
 # Flags every tritonserver of this project runs with, here and on a laptop: the config.pbtxt
-# files are complete, so Triton must not rewrite them from what model.py reports.
-COMMON_FLAGS = ("--disable-auto-complete-config",)
+# files are complete, so Triton must not rewrite them from what model.py reports; the exit
+# timeout above.
+COMMON_FLAGS = ("--disable-auto-complete-config", f"--exit-timeout-secs={EXIT_TIMEOUT_S}")
 
 
 def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
@@ -63,3 +74,30 @@ def server_command(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     """The container's full command line: what the ServingRuntime's `args` and the image's CMD say
     (the NGC image's entrypoint script runs it)."""
     return [*SUPERVISOR, "tritonserver", *tritonserver_args(model_repository)]
+
+
+# -- stopping a pod (RawDeployment; README, "Draining") ------------------------------------------
+# The preStop hook, cubeserve/serving/drain.py: the models refuse new requests at once (HTTP 503,
+# gRPC UNAVAILABLE) and the hook waits until those accepted are answered, at least
+# DRAIN_SETTLE_S (endpoint removal reaching kube-proxy and the ingress) and at most
+# DRAIN_TIMEOUT_S; then the kubelet's SIGTERM stops tritonserver, with nothing left in flight.
+DRAIN_SETTLE_S = 5
+DRAIN_TIMEOUT_S = REQUEST_TIMEOUT_S  # a request accepted just before the drain has this long
+# The hook's longest run: the drain's timeout plus starting python and the last metrics poll.
+PRESTOP_MAX_S = DRAIN_TIMEOUT_S + 10
+# The pod's terminationGracePeriodSeconds, which the preStop hook and then tritonserver's own
+# shutdown (at most EXIT_TIMEOUT_S: it waits for clients' open keep-alive connections to close,
+# and for anything the drain gave up on) share before the kubelet kills the container. Only a
+# bound: a drained pod exits within seconds of its last request. Knative (Serverless mode) sets
+# it itself from the revision timeout and refuses it in the spec (k8s/components/raw-deployment).
+TERMINATION_GRACE_PERIOD_S = PRESTOP_MAX_S + EXIT_TIMEOUT_S + 30
+
+
+def drain_command(http_port: int = HTTP_PORT, metrics_port: int = METRICS_PORT,
+                  timeout: float = DRAIN_TIMEOUT_S, settle: float = DRAIN_SETTLE_S) -> list[str]:
+    """The preStop hook's command (the image's python3, as the supervisor's)."""
+    return [SUPERVISOR[0], "-m", "cubeserve.serving.drain", f"--http-port={http_port}",
+            f"--metrics-port={metrics_port}", f"--timeout={timeout:g}", f"--settle={settle:g}"]
+
+
+PRESTOP_COMMAND = drain_command()

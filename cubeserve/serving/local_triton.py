@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from cubeserve import deploy
-from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
+from cubeserve.serving.stubs import kill_leftover_stubs, process_tree, stub_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "triton_models"
@@ -49,6 +49,13 @@ def prepare_python_backend(home: Path) -> None:
         shutil.copy2(source, target)
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,19 +68,20 @@ class LocalTriton:
     `supervised`: run it under cubeserve.serving.supervisor, which starts it again when a python
     backend stub dies (`process` is then the supervisor; tritonserver is its child), giving the
     other requests `fault_grace` seconds to finish first; `on_fault="exit"` makes it exit
-    instead, as in a container."""
+    instead, as in a container; `drained_grace`: see the supervisor's --drained-grace."""
 
     def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = deploy.HTTP_PORT,
                  grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
                  log_path: str | Path | None = None,
                  extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False,
-                 fault_grace: float = 10.0, on_fault: str = "restart"):
+                 fault_grace: float = 10.0, on_fault: str = "restart", drained_grace: float | None = None):
         self.model_repository = Path(model_repository)
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.verbose = verbose
         self.supervised, self.fault_grace, self.on_fault = supervised, fault_grace, on_fault
+        self.drained_grace = drained_grace  # None: the supervisor's default
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -91,8 +99,9 @@ class LocalTriton:
 
     def command(self) -> list[str]:
         if self.supervised:
+            grace = [] if self.drained_grace is None else ["--drained-grace", str(self.drained_grace)]
             return [sys.executable, "-m", "cubeserve.serving.supervisor", "--on-fault", self.on_fault,
-                    "--fault-grace", str(self.fault_grace), "--", *self.server_command()]
+                    "--fault-grace", str(self.fault_grace), *grace, "--", *self.server_command()]
         return self.server_command()
 
     def server_command(self) -> list[str]:
@@ -146,14 +155,24 @@ class LocalTriton:
             return False
 
     def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM, then after `timeout` s SIGKILL to every process of the server. Triton waits up
+        to its exit timeout (deploy.EXIT_TIMEOUT_S, longer than `timeout`) for requests still in
+        flight, and the supervisor waits for Triton: killing only the supervisor would leave
+        tritonserver and its stubs running."""
         if self.process is None or self.process.poll() is not None:
             return
         stubs = {} if self.supervised else stub_processes(self.process.pid)  # the supervisor reaps its own
+        tree = {pid: _cmdline(pid) for pid in process_tree(self.process.pid)}
         self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            for pid, cmdline in tree.items():
+                if cmdline and _cmdline(pid) == cmdline:  # still the same process
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             self.process.wait()
         kill_leftover_stubs(stubs)
         if self._log_file:

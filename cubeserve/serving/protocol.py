@@ -61,6 +61,9 @@ MESH_ENCODINGS = ("base64", "binary")
 # A request parameter: a request that carries it cancels the engine's request of that id (how the
 # predict model cancels a forward whose client went away; BLS requests cannot be cancelled).
 CANCEL_PARAMETER = "cube3d_cancel_request_id"
+# A request parameter on the predict model's forwards: the engine takes them while the server
+# drains (serving/drain.py), since the predict model accepted them before the drain began.
+FORWARDED_PARAMETER = "cube3d_forwarded"
 
 
 @dataclass

@@ -16,8 +16,15 @@ and, when a model version that Triton still reports READY has no live stub:
    `--on-fault exit` (the container's): exits with FAULT_EXIT_CODE, and the kubelet restarts the
    container, whose startup probe covers the new load.
 
-SIGTERM or SIGINT to the supervisor is passed to tritonserver (graceful shutdown: Triton drains
-in-flight requests up to its --exit-timeout-secs); the supervisor exits with tritonserver's code.
+SIGTERM or SIGINT to the supervisor is passed to tritonserver, and the supervisor waits for it as
+long as it takes (Triton's own shutdown: it waits for open connections and requests in flight up
+to its --exit-timeout-secs, cubeserve.deploy.EXIT_TIMEOUT_S); the supervisor exits with
+tritonserver's code. One exception: a server that was drained (serving/drain.py, the pod's preStop
+hook) and has no request in progress, yet is still running `--drained-grace` seconds after the
+signal, is killed. Triton 2.51's HTTP endpoint waits for every open connection to close before it
+stops, idle keep-alive connections too (an ingress controller's or a router's pool keeps them for
+minutes), and would hold the pod, and its GPU, for the whole exit timeout with nothing to do:
+every request on those connections is refused by the drain, so killing it loses nothing.
 
     python -m cubeserve.serving.supervisor [--on-fault exit|restart] -- tritonserver ARGS...
 """
@@ -35,28 +42,37 @@ import time
 import urllib.error
 import urllib.request
 
+from cubeserve.serving.drain import clear_markers, in_progress, is_draining
 from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
 
 log = logging.getLogger("cubeserve.supervisor")
 
 FAULT_EXIT_CODE = 3  # a stub died (tritonserver's own codes are 0 and 1)
+# Seconds a drained, idle tritonserver gets to exit by itself after SIGTERM (it needs one or two
+# when no client holds a connection open).
+DRAINED_GRACE_S = 10.0
 
 
-def http_port(command: list[str], default: int = 8000) -> int:
+def _port(command: list[str], flag: str, default: int) -> int:
     for arg in command:
-        if arg.startswith("--http-port="):
+        if arg.startswith(f"{flag}="):
             return int(arg.split("=", 1)[1])
     return default
 
 
+def http_port(command: list[str], default: int = 8000) -> int:
+    return _port(command, "--http-port", default)
+
+
 class Supervisor:
     def __init__(self, command: list[str], on_fault: str = "restart", poll_s: float = 0.5,
-                 fault_grace_s: float = 10.0, env: dict | None = None):
+                 fault_grace_s: float = 10.0, env: dict | None = None, drained_grace_s: float = DRAINED_GRACE_S):
         if on_fault not in ("restart", "exit"):
             raise ValueError(f"on_fault must be 'restart' or 'exit', got {on_fault!r}")
         self.command, self.on_fault, self.env = list(command), on_fault, env
-        self.poll_s, self.fault_grace_s = poll_s, fault_grace_s
+        self.poll_s, self.fault_grace_s, self.drained_grace_s = poll_s, fault_grace_s, drained_grace_s
         self.index_url = f"http://127.0.0.1:{http_port(command)}/v2/repository/index"
+        self.metrics_url = f"http://127.0.0.1:{_port(command, '--metrics-port', 8002)}/metrics"
         self.child: subprocess.Popen | None = None
         self.stubs: dict = {}  # every stub seen (pid: model.py), to reap those that outlive the server
         self.restarts = 0
@@ -95,6 +111,7 @@ class Supervisor:
         while True:
             self.child = subprocess.Popen(self.command, env=self.env)
             code, dead = self._watch()
+            clear_markers(self.child.pid)
             if kill_leftover_stubs(self.stubs):
                 log.warning("killed python backend stubs that outlived tritonserver")
             self.stubs.clear()
@@ -112,7 +129,7 @@ class Supervisor:
             if code is not None:
                 return code, set()
             if self._stop.is_set():
-                return self.child.wait(), set()
+                return self._wait_for_shutdown(), set()
             seen, dead = self.dead_models(seen)
             if dead:
                 names = ", ".join(f"{m} version {v}" for m, v in sorted(dead))
@@ -121,6 +138,28 @@ class Supervisor:
                 self._terminate()
                 return FAULT_EXIT_CODE, dead
             time.sleep(self.poll_s)
+
+    def _wait_for_shutdown(self) -> int:
+        """tritonserver has been sent SIGTERM: wait for it to exit, as long as its own shutdown
+        takes, unless it was drained and has been idle for `drained_grace_s` (module docstring)."""
+        idle_since = None
+        while True:
+            try:
+                return self.child.wait(self.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # None (the metrics endpoint gone): Triton is in its last steps; let it finish.
+            if not is_draining(self.child.pid) or in_progress(self.metrics_url) != 0:
+                idle_since = None
+                continue
+            now = time.monotonic()
+            idle_since = now if idle_since is None else idle_since
+            if now - idle_since >= self.drained_grace_s:
+                log.warning("tritonserver was drained and has no request in progress, but still waits "
+                            "for clients' idle connections to close: stopping it now")
+                self.child.kill()
+                self.child.wait()
+                return 0
 
     def _terminate(self) -> None:
         self.child.send_signal(signal.SIGTERM)
@@ -143,13 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the stubs")
     parser.add_argument("--fault-grace", type=float, default=10.0,
                         help="seconds tritonserver gets to finish other requests after a stub died")
+    parser.add_argument("--drained-grace", type=float, default=DRAINED_GRACE_S,
+                        help="seconds a drained, idle tritonserver gets to exit after SIGTERM before it is killed")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- tritonserver ARGS...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the server's command after --")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cubeserve supervisor: %(message)s")
-    return Supervisor(command, args.on_fault, args.poll, args.fault_grace).run()
+    return Supervisor(command, args.on_fault, args.poll, args.fault_grace,
+                      drained_grace_s=args.drained_grace).run()
 
 
 if __name__ == "__main__":

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+from cubeserve.engine.requests import Unavailable
+from cubeserve.serving.drain import IN_PROGRESS_METRIC, marker_path
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -41,17 +45,47 @@ def request_timeout_s(request) -> float | None:
     return micros / 1e6 if micros else None
 
 
+class Drain:
+    """What a model instance knows of a drain (cubeserve/serving/drain.py, the preStop hook):
+    whether the server refuses new requests now, and how many of its requests are in progress
+    (accepted, not answered yet), as the gauge `cube3d_requests_in_progress` that the drain waits
+    on. Instances of one model version share the gauge (same labels): they add to it, never set it."""
+
+    def __init__(self, labels: dict[str, str]):
+        # A stub is a child of tritonserver; the marker names that process.
+        self.marker = marker_path(os.getppid())
+        self.family = pb_utils.MetricFamily(
+            name=IN_PROGRESS_METRIC, kind=pb_utils.MetricFamily.GAUGE,
+            description="Requests accepted and not yet answered (a drain waits for 0)")
+        self.gauge = self.family.Metric(labels=labels)
+
+    def draining(self) -> bool:
+        return self.marker is not None and self.marker.exists()
+
+    def refusal(self):
+        """The answer to a new request while draining: UNAVAILABLE (HTTP 503), retry elsewhere."""
+        return error_response(str(Unavailable(
+            "the server is shutting down (draining): it takes no new requests; retry, another "
+            "replica will serve it")), "unavailable")
+
+    def add(self, n: int) -> None:
+        self.gauge.increment(n)
+
+
 class Reply:
     """A request's response sender, answered once (later answers are dropped), whose client is
     asked about only until then: once the final response is out, Triton frees the request, and
     request.is_cancelled() on it crashes the server (in TRITONBACKEND_ResponseFactoryIsCancelled).
     So asking and the final answer never overlap."""
 
-    def __init__(self, request):
+    def __init__(self, request, drain: Drain | None = None):
         self.request = request
         self._sender = request.get_response_sender()
         self._lock = threading.Lock()
         self._answered = False
+        self._drain = drain  # counted in progress until the final answer
+        if drain is not None:
+            drain.add(1)
 
     def send(self, response=None, final: bool = True) -> bool:
         """Send `response` (None: an empty final response); False if already answered."""
@@ -59,7 +93,11 @@ class Reply:
             if self._answered:
                 return False
             self._answered = final
-            self._sender.send(response, flags=FINAL if final else 0)
+            try:
+                self._sender.send(response, flags=FINAL if final else 0)
+            finally:
+                if final and self._drain is not None:
+                    self._drain.add(-1)
             return True
 
     def client_gone(self) -> bool:

@@ -6,7 +6,9 @@ hands requests over, then returns: responses go out through each request's respo
 when ready, progress (with STREAM_PROGRESS) from the decode thread between steps, the mesh from
 the geometry thread. A client that goes away (`request.is_cancelled()`) leaves the batch, and
 so does a request whose deadline (the v2 `timeout` parameter) passes; past `max_queue` waiting
-requests, new ones are refused at once as UNAVAILABLE (HTTP 503).
+requests, new ones are refused at once as UNAVAILABLE (HTTP 503), and so is every new request
+while the server drains before it stops (serving/drain.py), except the predict model's forwards
+of requests it accepted before.
 
 The predict-API model `cube3d` (triton_predict.py) forwards here, so one engine serves both.
 A BLS request cannot be cancelled by its caller in Triton 2.51, so the predict model cancels a
@@ -29,8 +31,8 @@ from cubeserve.engine.engine import Engine
 from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.engine.scheduler import EngineStats, Scheduler
 from cubeserve.serving import protocol
-from cubeserve.serving.protocol import CANCEL_PARAMETER
-from cubeserve.serving.triton_common import Reply, error_response, parameters, request_timeout_s, response
+from cubeserve.serving.protocol import CANCEL_PARAMETER, FORWARDED_PARAMETER
+from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
 
 CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
 
@@ -134,6 +136,7 @@ class EngineModel:
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
                                    stats=TritonStats(labels), graphs=graphs,
                                    max_queue=int(max_queue) if max_queue else None).start()
+        self.drain = Drain(labels)
         self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
         self.forwarded_lock = threading.Lock()
         pb_utils.Logger.log_info(
@@ -146,14 +149,18 @@ class EngineModel:
         return None  # every response goes through the request's response sender
 
     def _submit(self, request):
-        reply = Reply(request)
-        cancel_id = json.loads(request.parameters() or "{}").get(CANCEL_PARAMETER)
+        reply = Reply(request, self.drain)
+        request_parameters = json.loads(request.parameters() or "{}")
+        cancel_id = request_parameters.get(CANCEL_PARAMETER)
         if cancel_id is not None:  # a control request: cancel a forwarded request, answer nothing
             with self.forwarded_lock:
                 ticket = self.forwarded.get(cancel_id)
             if ticket is not None:
                 ticket.cancel()
             reply.send()
+            return
+        if not request_parameters.get(FORWARDED_PARAMETER) and self.drain.draining():
+            reply.send(self.drain.refusal())
             return
         try:
             generation, options = protocol.parse_request(_inputs(request))

@@ -12,6 +12,9 @@ What BLS in Triton 2.51 does not do, a watchdog thread does:
 - a forward to a dead engine process waits forever: the watchdog checks that the engine's stub
   process is alive and ends every waiting forward with UNAVAILABLE when it is not (the
   supervisor, serving/supervisor.py, then restarts the server).
+
+While the server drains before it stops (serving/drain.py), new requests are refused at once as
+UNAVAILABLE (HTTP 503) and those already forwarded run to the end.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import triton_python_backend_utils as pb_utils
 from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.serving import protocol
 from cubeserve.serving.stubs import stub_alive
-from cubeserve.serving.protocol import CANCEL_PARAMETER
-from cubeserve.serving.triton_common import Reply, error_response, parameters
+from cubeserve.serving.protocol import CANCEL_PARAMETER, FORWARDED_PARAMETER
+from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters
 
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks at the waiting forwards
 
@@ -35,8 +38,8 @@ WATCH_INTERVAL_S = 0.25  # how often the watchdog looks at the waiting forwards
 class Forward(Reply):
     """One request on its way through the engine, with the id of its forward."""
 
-    def __init__(self, request):
-        super().__init__(request)
+    def __init__(self, request, drain: Drain):
+        super().__init__(request, drain)
         self.id = f"cube3d-{uuid.uuid4().hex}"
         self.cancel_sent = False
 
@@ -59,12 +62,16 @@ class PredictModel:
         self.pending_lock = threading.Lock()
         self.stopping = threading.Event()
         self.server_pid = os.getppid()  # the stub is a child of tritonserver
+        self.drain = Drain({"model": args["model_name"], "version": args["model_version"]})
         self.watchdog = threading.Thread(target=self._watch, name="cube3d-watchdog", daemon=True)
         self.watchdog.start()
 
     def execute(self, requests):
         for request in requests:
-            forward = Forward(request)
+            forward = Forward(request, self.drain)
+            if self.drain.draining():  # the server stops soon: new requests go elsewhere
+                forward.send(self.drain.refusal())
+                continue
             if not self.capacity.acquire(blocking=False):
                 forward.send(error_response(str(Unavailable(
                     f"the server is busy: {self.max_concurrency} requests in progress (max_concurrency of "
@@ -102,6 +109,7 @@ class PredictModel:
             inputs=[t for t in tensors.values() if t is not None],
             requested_output_names=[n for n in protocol.OUTPUTS if n != "PROGRESS"],
             timeout=request.timeout(),  # the client's deadline, enforced by the engine
+            parameters={FORWARDED_PARAMETER: True},  # accepted here: the engine takes it even while draining
         )
         final = None
         for response in bls.exec(decoupled=True):

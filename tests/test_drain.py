@@ -1,0 +1,247 @@
+"""Stopping a pod without cutting generations, on the real tritonserver: the preStop hook of
+k8s/components/raw-deployment (cubeserve.deploy.PRESTOP_COMMAND, serving/drain.py), then the
+kubelet's SIGTERM to the container's process, cubeserve's supervisor (deploy.server_command).
+
+Generations in flight when the drain starts (predict API over REST, the progress stream over
+gRPC) must end with their meshes; requests sent after it started must be refused at once and
+cleanly (HTTP 503 on new and on kept-alive connections, gRPC UNAVAILABLE), not taken, hung or
+reset; and the server must exit promptly. The same checks run on a plain SIGTERM, as before the
+fix, and find what goes wrong there (`PROBLEMS`): with an exit timeout shorter than the
+generations (Triton's default is 30 s, generations may take the request timeout, 600 s) the
+generations are cut; with a long one, Triton's own shutdown resets new connections and takes new
+work on kept-alive and gRPC connections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import trimesh
+
+from cube3d_client import Cube3DClient
+from cubeserve import deploy
+from cubeserve.checkpoint import write_random_weights
+from cubeserve.config import TINY
+from cubeserve.serving.drain import in_progress
+from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+from cubeserve.serving.stubs import process_tree
+from serving_helpers import metrics
+
+# 2048 shape tokens on the tiny model: three generations at once take a few seconds on two cores,
+# long enough to be in flight when the server is told to stop.
+LONG = dataclasses.replace(TINY, name="tiny-long",
+                           tokenizer=dataclasses.replace(TINY.tokenizer, num_encoder_latents=2048))
+IN_FLIGHT_HTTP, IN_FLIGHT_STREAM = 2, 1
+DRAINED_GRACE = 2.0  # the supervisor's --drained-grace here (10 s in a pod)
+
+# What each way of stopping gets wrong (the fix: nothing). A plain SIGTERM is Triton 2.51's own
+# shutdown (serving/drain.py): new connections are closed unanswered, requests on open HTTP
+# connections and on gRPC are still taken, and whatever runs when the exit timeout ends is cut.
+PROBLEMS = {
+    "prestop-drain": set(),
+    "sigterm-exit-timeout-2s": {"in-flight cut", "new connection reset", "new work taken"},
+    "sigterm-exit-timeout-600s": {"new connection reset", "new work taken"},
+}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"),
+                                 {"max_objects": str(IN_FLIGHT_HTTP + IN_FLIGHT_STREAM), "max_queue": "4"})
+    write_random_weights(LONG, root / "cube3d_stream" / "1" / "weights", seed=1)
+    return root
+
+
+def infer_body(prompt: str) -> bytes:
+    return json.dumps({"inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": [prompt]},
+                                  {"name": "RESOLUTION", "shape": [1], "datatype": "INT32", "data": [4]}],
+                       "outputs": [{"name": "NUM_FACES"}]}).encode()
+
+
+def new_request(outcomes: dict, name: str, send) -> threading.Thread:
+    """Run `send` (one request) in a thread; its outcome: "refused" (503 / UNAVAILABLE, at once),
+    "taken" (answered 200, or still running after 3 s) or "reset" (the connection failed)."""
+    def run():
+        start = time.monotonic()
+        try:
+            outcomes[name] = (send(), time.monotonic() - start)
+        except (ConnectionError, http.client.HTTPException, OSError) as exc:
+            outcomes[name] = (("reset", repr(exc)), time.monotonic() - start)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def http_outcome(conn: http.client.HTTPConnection, prompt: str):
+    conn.timeout = 3
+    if conn.sock is not None:  # kept alive
+        conn.sock.settimeout(3)
+    try:
+        conn.request("POST", "/v2/models/cube3d/infer", body=infer_body(prompt))
+        reply = conn.getresponse()
+        text = reply.read().decode()
+    except TimeoutError:
+        return "taken", "no answer within 3 s"
+    finally:
+        conn.close()
+    if reply.status == 503 and json.loads(text)["error"].startswith("unavailable: the server is shutting down"):
+        return "refused", text
+    return ("taken" if reply.status == 200 else f"HTTP {reply.status}"), text
+
+
+def grpc_outcome(server, stream: bool):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"after the drain"], dtype=np.object_))
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        if not stream:
+            client.infer("cube3d", [prompt], client_timeout=3)
+            return "taken", "answered"
+        answers = []
+        client.start_stream(callback=lambda result, error: answers.append(error))
+        client.async_stream_infer("cube3d_stream", [prompt])
+        deadline = time.monotonic() + 3
+        while not answers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = list(answers)
+        client.stop_stream(cancel_requests=True)
+        if not first:
+            return "taken", "no answer within 3 s"
+        error = first[0]
+        if error is not None and "the server is shutting down" in error.message():
+            return "refused", error.message()
+        return ("taken", "answered") if error is None else ("reset", error.message())
+    except InferenceServerException as exc:
+        if exc.status() == "StatusCode.UNAVAILABLE" and "the server is shutting down" in exc.message():
+            return "refused", exc.message()
+        if exc.status() == "StatusCode.DEADLINE_EXCEEDED":
+            return "taken", exc.message()
+        return "reset", f"{exc.status()}: {exc.message()}"
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("how", list(PROBLEMS))
+def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones(repo, tmp_path, how):
+    exit_timeout = {"sigterm-exit-timeout-2s": ["--exit-timeout-secs=2"]}.get(how, [])
+    assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in deploy.COMMON_FLAGS  # the rest run as in a pod
+    server = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "tritonserver.log",
+                         supervised=True, on_fault="exit", drained_grace=DRAINED_GRACE,
+                         extra_args=tuple(exit_timeout))
+    server.start()
+    problems: set[str] = set()
+    try:
+        tree = process_tree(server.process.pid)
+        # A client that keeps its connection open (an ingress controller's pool does): opened now.
+        kept_alive = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+        kept_alive.request("GET", deploy.READY_PATH)
+        assert kept_alive.getresponse().read() == b""
+
+        results, errors = {}, {}
+
+        def generate(i: int, protocol: str):
+            url = server.http_url if protocol == "http" else server.grpc_url
+            try:
+                with Cube3DClient(url, protocol, retries=0, timeout=120) as client:
+                    results[i] = client.generate(f"in flight {i}", seed=i, resolution=4,
+                                                 on_progress=(lambda n: None) if protocol == "grpc" else None)
+            except Exception as exc:  # noqa: BLE001 - a cut generation: recorded, judged below
+                errors[i] = repr(exc)
+
+        protocols = ["http"] * IN_FLIGHT_HTTP + ["grpc"] * IN_FLIGHT_STREAM
+        flights = [threading.Thread(target=generate, args=(i, p), daemon=True) for i, p in enumerate(protocols)]
+        for t in flights:
+            t.start()
+        deadline = time.monotonic() + 60
+        while metrics(server).get("cube3d_objects_in_flight/v1", 0) < len(protocols):
+            assert time.monotonic() < deadline, "the generations did not start"
+            time.sleep(0.05)
+
+        # -- the pod is deleted: the preStop hook, or (before the fix) SIGTERM at once --------------
+        stop_started = time.monotonic()
+        if how == "prestop-drain":
+            hook = [sys.executable, *deploy.drain_command(server.http_port, server.metrics_port)[1:]]
+            assert hook[1:] == [*deploy.PRESTOP_COMMAND[1:3],
+                                *(a.replace(str(deploy.HTTP_PORT), str(server.http_port))
+                                   .replace(str(deploy.METRICS_PORT), str(server.metrics_port))
+                                  for a in deploy.PRESTOP_COMMAND[3:])]
+            drain = subprocess.Popen(hook, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            assert "refuses new requests" in drain.stdout.readline()  # the marker is written
+        else:
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        assert metrics(server)["cube3d_objects_in_flight/v1"] == len(protocols), "not in flight any more"
+
+        outcomes: dict = {}
+        for t in [new_request(outcomes, "http new connection",
+                              lambda: http_outcome(http.client.HTTPConnection("127.0.0.1", server.http_port),
+                                                   "new connection")),
+                  new_request(outcomes, "http kept-alive connection", lambda: http_outcome(kept_alive, "kept alive")),
+                  new_request(outcomes, "grpc", lambda: grpc_outcome(server, stream=False)),
+                  new_request(outcomes, "grpc stream", lambda: grpc_outcome(server, stream=True))]:
+            t.join(30)
+        for name, ((outcome, detail), seconds) in outcomes.items():
+            if outcome == "refused":
+                assert seconds < 2, f"{name}: refused, but only after {seconds:.1f} s"
+            elif outcome == "reset":
+                problems.add("new connection reset")
+            else:
+                problems.add("new work taken")
+        assert len(outcomes) == 4, outcomes
+
+        log = server.log_path
+        while any(t.is_alive() for t in flights):
+            if "Exit timeout expired" in log.read_text(errors="replace"):
+                # Triton gave up on them and exits (slowly: 2.51 then aborts in its exit path and
+                # prints a stack trace); its stubs, which hold the clients' sockets, go with it.
+                for pid in tree[1:]:
+                    if os.path.exists(f"/proc/{pid}"):
+                        os.kill(pid, signal.SIGKILL)
+                break
+            assert time.monotonic() - stop_started < 120, "the generations neither ended nor were cut"
+            time.sleep(0.1)
+        for t in flights:
+            t.join(30)
+        for i, result in results.items():  # each mesh arrived whole
+            mesh = trimesh.load(io.BytesIO(result.mesh), file_type="glb", force="mesh")
+            assert len(mesh.faces) == result.num_faces > 0 and len(mesh.vertices) == result.num_vertices, i
+            assert len(result.tokens) == LONG.num_tokens
+        if errors or len(results) != len(protocols):
+            problems.add("in-flight cut")
+
+        if how == "prestop-drain":
+            assert drain.wait(60) == 0, drain.stdout.read()
+            assert "drained" in drain.stdout.read()
+            assert in_progress(server.metrics_url) == 0 and len(results) == len(protocols)
+            server.process.send_signal(signal.SIGTERM)  # the kubelet's, once the hook has returned
+            killed_at = time.monotonic()
+            assert server.process.wait(DRAINED_GRACE + 15) == 0
+            # Drained and idle: out within the supervisor's grace (the kept-alive connection holds
+            # Triton's HTTP endpoint), long before the exit timeout.
+            assert time.monotonic() - killed_at < DRAINED_GRACE + 10
+        else:
+            kept_alive.close()
+            server.process.wait(deploy.EXIT_TIMEOUT_S)
+        assert time.monotonic() - stop_started < deploy.EXIT_TIMEOUT_S
+        gone = time.monotonic() + 30
+        while [pid for pid in tree if os.path.exists(f"/proc/{pid}")]:
+            assert time.monotonic() < gone, "processes left behind"
+            time.sleep(0.1)
+    finally:
+        server.stop(timeout=30)
+    assert problems == PROBLEMS[how], how
