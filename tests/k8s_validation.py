@@ -6,7 +6,8 @@
   a value of the wrong type or a missing required field is an error. Then the rules KServe's
   admission webhooks add (names, weights adding up to 100, one target per graph step...).
 * Core kinds: the Kubernetes JSON schemas of `kubernetes-validate`, strict (no unknown fields).
-* `crd_errors`: the published KServe CRDs (OpenAPI v3), made strict, where a copy is at hand.
+* `crd_errors`: the published KServe CRDs (OpenAPI v3), made strict (`require_crds`), those of
+  every KServe release the manifests support (`MIN_KSERVE`, `KSERVE_RELEASES`).
 
 Used by test_k8s.py (the rendered overlays) and test_rollout.py (what the rollout tool patches).
 """
@@ -17,6 +18,7 @@ import copy
 import difflib
 import importlib
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import kubernetes.client as k8s_models
 import kubernetes_validate
+import pytest
 import yaml
 
 
@@ -53,8 +56,42 @@ kserve_models = _load_kserve_models()
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ("canary", "raw", "ab", "cpu")
-# Reference data beside the repository (not part of it): tests that use it skip without it.
+# Reference data beside the repository (not part of it): KServe's CRDs as published (the newest,
+# at the top) and as tagged in each release (by-release/vX.Y.Z/). Tests reach them through
+# `require_crds`, which skips without them, or fails under CI.
 KSERVE_CRDS = REPO.parent / "shared" / "kserve-crds"
+KSERVE_CRDS_BY_RELEASE = KSERVE_CRDS / "by-release"
+
+# The KServe releases the manifests support (README, "Compatibility"), and the oldest one each
+# overlay needs. canary (Serverless), raw and cpu: everything they use is in v0.14.0. ab: the
+# InferenceGraph's routerTimeouts first appear in v0.16.0, and without them the router cuts every
+# request at 60 s (cmd/router/main.go at v0.14.0 and v0.15.0: an http.Server with a fixed
+# WriteTimeout of time.Minute; v0.16.0 reads it from spec.routerTimeouts), so an A/B graph on an
+# older KServe would cut generations. spec.canary[] (RawDeployment canaries, which `cubeserve
+# rollout` adds) needs v0.20.0; no overlay carries it.
+SUPPORTED_KSERVE = ("v0.14.0", "v0.20.0")  # oldest, newest
+MIN_KSERVE = {"canary": "v0.14.0", "raw": "v0.14.0", "cpu": "v0.14.0", "ab": "v0.16.0"}
+
+
+def kserve_version(release: str) -> tuple[int, ...]:
+    """"v0.16.0" -> (0, 16, 0)"""
+    return tuple(int(part) for part in release.lstrip("v").split("."))
+
+
+# The releases whose CRDs are at hand (by-release/), oldest first; empty without the data.
+KSERVE_RELEASES = tuple(sorted(
+    (p.name for p in KSERVE_CRDS_BY_RELEASE.glob("v*") if p.is_dir() and re.fullmatch(r"v\d+\.\d+\.\d+", p.name)),
+    key=kserve_version))
+
+
+def supported_releases(minimum: str = SUPPORTED_KSERVE[0]) -> list[str]:
+    """The releases at hand from `minimum` to the newest supported."""
+    low, high = kserve_version(minimum), kserve_version(SUPPORTED_KSERVE[1])
+    return [r for r in KSERVE_RELEASES if low <= kserve_version(r) <= high]
+
+
+def releases_before(minimum: str) -> list[str]:
+    return [r for r in KSERVE_RELEASES if kserve_version(r) < kserve_version(minimum)]
 
 KUBERNETES_VERSION = "1.30"  # the oldest API the manifests are meant for
 
@@ -270,6 +307,40 @@ def _graph_rules(spec: dict) -> list[str]:
 
 # -- the published CRDs, where available ----------------------------------------------------------
 
+def _missing(where: Path) -> None:
+    """Skip the calling test, with one reason, or fail it under CI (CI=true): there the data must
+    be present, and a check that quietly stopped checking must not pass."""
+    if not KSERVE_CRDS.is_dir():  # the usual case: one reason for every CRD check
+        where = KSERVE_CRDS
+    reason = (f"KServe CRDs not found at ../{where.relative_to(REPO.parent)} (reference data beside the "
+              f"repository, not part of it): the CRD checks did not run")
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(reason + " (CI=true: they must)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_releases() -> tuple[str, ...]:
+    """KSERVE_RELEASES, or skip (fail under CI) when by-release/ is not at hand."""
+    if not KSERVE_RELEASES:
+        _missing(KSERVE_CRDS_BY_RELEASE)
+    return KSERVE_RELEASES
+
+
+def require_crds(release: str | None = None) -> dict[tuple[str, str], dict]:
+    """The strict schemas of KServe's CRDs, for `crd_errors`: those of `release` ("v0.16.0",
+    from by-release/), or with None the newest published ones (the top of KSERVE_CRDS). When the
+    data is not beside the repository the test is skipped with one reason, and fails under CI."""
+    directory = KSERVE_CRDS if release is None else KSERVE_CRDS_BY_RELEASE / release
+    if not any(directory.glob("*.yaml")):
+        _missing(directory)
+    return _crd_schemas(str(directory))
+
+
+@lru_cache(maxsize=None)
+def _crd_schemas(directory: str) -> dict[tuple[str, str], dict]:
+    return load_crd_schemas(Path(directory))
+
+
 def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
     """(apiVersion, kind) -> strict OpenAPI schema, from a directory of CRD YAML files."""
     schemas = {}
@@ -303,8 +374,9 @@ def crd_errors(obj: dict, schemas: dict) -> list[str]:
     import jsonschema
 
     schema = schemas.get((obj.get("apiVersion"), obj.get("kind")))
-    if schema is None:
-        return []
+    if schema is None:  # core kinds are validate()'s; a KServe kind without its CRD is an error
+        group = str(obj.get("apiVersion", "")).partition("/")[0]
+        return [f"no CRD for {obj.get('apiVersion')} {obj.get('kind')}"] if group == "serving.kserve.io" else []
     body = {k: v for k, v in obj.items() if k != "status"}
     validator = jsonschema.Draft4Validator(schema)
     return [f"{obj['kind']} {'.'.join(str(p) for p in e.absolute_path)}: {e.message}"

@@ -15,10 +15,13 @@ import yaml
 
 from cubeserve import deploy
 from cubeserve.rollout import VersionRegistry
-from k8s_validation import (KSERVE_CRDS, KUBERNETES_VERSION, OVERLAYS, REPO, crd_errors, dockerfile_instructions, find,
-                            load_crd_schemas, render, validate)
+from k8s_validation import (KUBERNETES_VERSION, MIN_KSERVE, OVERLAYS, REPO, SUPPORTED_KSERVE,
+                            crd_errors, dockerfile_instructions, find, kserve_version, releases_before, render,
+                            require_crds, require_releases, supported_releases, validate)
 
 GPU = "nvidia.com/gpu"
+MODE = "serving.kserve.io/deploymentMode"
+RAW_OVERLAYS = ("raw", "cpu", "ab")  # k8s/components/raw-deployment
 # Fields of predictor.model that KServe consumes itself; the rest is the container.
 KSERVE_MODEL_FIELDS = {"modelFormat", "runtime", "runtimeVersion", "protocolVersion", "storageUri", "storage"}
 
@@ -45,25 +48,41 @@ def raw_with_canary() -> dict:
     return merge_patch(isvc, plans.Raw().start(isvc, "2", "s3://replace-me-model-bucket/cube3d/2/", 10))
 
 
+# Lists of a container that a strategic merge patch merges by a key (the rest are replaced).
+_MERGE_KEYS = {"env": "name", "ports": "containerPort", "volumeMounts": "mountPath"}
+
+
+def _strategic_merge(base, patch, field: str = ""):
+    """What KServe's MergeRuntimeContainers does (a strategic merge patch of the runtime's
+    container with predictor.model; pkg/controller/v1beta1/inferenceservice/utils/utils.go):
+    the InferenceService wins field by field, maps merge recursively, env/ports/volumeMounts by
+    their key, args are appended (v0.20; replaced before), other lists replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = copy.deepcopy(base)
+        for key, value in patch.items():
+            out[key] = _strategic_merge(base[key], value, key) if key in base else copy.deepcopy(value)
+        return out
+    if field == "args":
+        return base + patch
+    if field in _MERGE_KEYS:
+        key = _MERGE_KEYS[field]
+        replaced = {item[key] for item in patch}
+        return [copy.deepcopy(i) for i in base if i[key] not in replaced] + copy.deepcopy(patch)
+    return copy.deepcopy(patch)
+
+
 def kserve_pod(isvc: dict, runtime: dict) -> dict:
-    """The predictor pod KServe builds: the runtime's container overridden by predictor.model
-    (args appended, env merged by name), the predictor's volumes. Storage initializer left out."""
-    [container] = [copy.deepcopy(c) for c in runtime["spec"]["containers"] if c["name"] == "kserve-container"]
+    """The predictor pod KServe builds: the runtime's container merged with predictor.model, the
+    predictor's pod fields (volumes, terminationGracePeriodSeconds). Storage initializer left out."""
+    [container] = [c for c in runtime["spec"]["containers"] if c["name"] == "kserve-container"]
     predictor = isvc["spec"]["predictor"]
-    for key, value in predictor["model"].items():
-        if key in KSERVE_MODEL_FIELDS:
-            continue
-        if key == "args":
-            container["args"] = container.get("args", []) + value
-        elif key == "env":
-            names = {e["name"] for e in value}
-            container["env"] = [e for e in container.get("env", []) if e["name"] not in names] + value
-        else:
-            container[key] = copy.deepcopy(value)
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"{isvc['metadata']['name']}-predictor"},
-            "spec": {"containers": [container],
-                     "volumes": copy.deepcopy(predictor.get("volumes", []) + runtime["spec"].get("volumes", []))}}
+    model = {k: v for k, v in predictor["model"].items() if k not in KSERVE_MODEL_FIELDS}
+    spec = {"containers": [_strategic_merge(container, model)],
+            "volumes": copy.deepcopy(predictor.get("volumes", []) + runtime["spec"].get("volumes", []))}
+    if "terminationGracePeriodSeconds" in predictor:
+        spec["terminationGracePeriodSeconds"] = predictor["terminationGracePeriodSeconds"]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{isvc['metadata']['name']}-predictor"},
+            "spec": spec}
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -86,12 +105,71 @@ def test_every_overlay_renders_to_valid_objects(overlay):
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "cube-serve"
 
 
-@pytest.mark.skipif(not KSERVE_CRDS.is_dir(), reason="KServe CRDs not beside the repository (../shared/kserve-crds)")
-def test_every_overlay_matches_the_kserve_crds():
-    schemas = load_crd_schemas(KSERVE_CRDS)
-    for name in OVERLAYS:
-        for obj in render(name):
-            assert crd_errors(obj, schemas) == [], f"{name}: {obj['kind']} {obj['metadata']['name']}"
+def test_every_overlay_matches_the_newest_kserve_crds(overlay):
+    name, objects = overlay
+    schemas = require_crds()
+    for obj in objects:
+        assert crd_errors(obj, schemas) == [], f"{name}: {obj['kind']} {obj['metadata']['name']}"
+
+
+# -- the KServe releases each overlay supports (README, "Compatibility") -----------------------------
+
+def test_the_compatibility_table_covers_every_overlay_and_the_releases_at_hand():
+    assert set(MIN_KSERVE) == set(OVERLAYS)
+    releases = require_releases()
+    # The declared range and every overlay's minimum are releases whose CRDs are checked.
+    assert set(SUPPORTED_KSERVE) | set(MIN_KSERVE.values()) <= set(releases), releases
+    assert all(kserve_version(SUPPORTED_KSERVE[0]) <= kserve_version(m) <= kserve_version(SUPPORTED_KSERVE[1])
+               for m in MIN_KSERVE.values())
+
+
+def test_every_overlay_matches_the_crds_of_every_release_it_supports(overlay):
+    """Strict: a field a release does not know is an error (its API server would drop it)."""
+    name, objects = overlay
+    require_releases()
+    checked = supported_releases(MIN_KSERVE[name])
+    assert checked and checked[0] == MIN_KSERVE[name] and checked[-1] == SUPPORTED_KSERVE[1], checked
+    for release in checked:
+        schemas = require_crds(release)
+        for obj in objects:
+            assert crd_errors(obj, schemas) == [], f"{name} on KServe {release}: {obj['kind']} {obj['metadata']['name']}"
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_without_the_crds_the_checks_skip_with_one_reason_and_fail_under_ci(monkeypatch, ci):
+    import k8s_validation as kv
+
+    gone = kv.REPO.parent / "shared" / "no-kserve-crds-here"
+    monkeypatch.setattr(kv, "KSERVE_CRDS", gone)
+    monkeypatch.setattr(kv, "KSERVE_CRDS_BY_RELEASE", gone / "by-release")
+    monkeypatch.setattr(kv, "KSERVE_RELEASES", ())
+    monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci else pytest.skip.Exception
+    reasons = set()
+    for call in (kv.require_crds, lambda: kv.require_crds("v0.14.0"), kv.require_releases):
+        with pytest.raises(expected) as outcome:
+            call()
+        reasons.add(str(outcome.value).removesuffix(" (CI=true: they must)"))
+    assert reasons == {"KServe CRDs not found at ../shared/no-kserve-crds-here (reference data beside the "
+                       "repository, not part of it): the CRD checks did not run"}
+
+
+def test_the_releases_before_an_overlays_minimum_refuse_it(overlay):
+    """The declared minimum is not too high: the release before it refuses the overlay (and it
+    is not too low: the minimum itself accepts it, above). For an overlay whose minimum is the
+    oldest supported release, nothing older is claimed."""
+    name, objects = overlay
+    require_releases()
+    older = releases_before(MIN_KSERVE[name])
+    if MIN_KSERVE[name] == SUPPORTED_KSERVE[0]:
+        return
+    assert older, f"{name}: no release older than {MIN_KSERVE[name]} at hand to show it is needed"
+    for release in older:
+        schemas = require_crds(release)
+        errors = [e for obj in objects for e in crd_errors(obj, schemas)]
+        assert errors, f"{name}: KServe {release} accepts it; its minimum {MIN_KSERVE[name]} is too high"
+    if name == "ab":  # what it needs: the graph's routerTimeouts (without them generations are cut at 60 s)
+        assert any("routerTimeouts" in e for e in errors), errors
 
 
 def test_the_kserve_package_knows_the_raw_deployment_canary():
@@ -141,9 +219,8 @@ def test_the_validator_rejects_bad_runtimes_graphs_and_core_objects():
     assert any("model.name is required" in e for e in validate(isvc))
 
 
-@pytest.mark.skipif(not KSERVE_CRDS.is_dir(), reason="KServe CRDs not beside the repository (../shared/kserve-crds)")
 def test_the_strict_crd_schemas_reject_misspelled_fields():
-    schemas = load_crd_schemas(KSERVE_CRDS)
+    schemas = require_crds()
     isvc = raw_with_canary()
     isvc["spec"]["canary"][0]["trafficPercnt"] = 10
     isvc["spec"]["canary"][0]["predictor"]["model"].pop("name")
@@ -162,9 +239,12 @@ def test_the_pod_kserve_builds_is_a_valid_secure_pod(overlay):
         assert {m["name"] for m in container["volumeMounts"]} <= set(volumes)
         shm = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
         assert shm and volumes[shm[0]["name"]]["emptyDir"]["medium"] == "Memory"
+        # The restricted Pod Security Standard, from the runtime (the InferenceService sets none).
         security = container["securityContext"]
         assert security["runAsNonRoot"] is True and security["runAsUser"] == deploy.IMAGE_UID != 0
+        assert security["runAsGroup"] == deploy.IMAGE_UID
         assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
         resources = container["resources"]
         assert {"cpu", "memory"} <= set(resources["requests"]) and {"cpu", "memory"} <= set(resources["limits"])
         startup = container["startupProbe"]
@@ -175,6 +255,80 @@ def test_the_pod_kserve_builds_is_a_valid_secure_pod(overlay):
         else:  # one whole GPU, and minutes for the weights and the CUDA graphs
             assert resources["requests"][GPU] == resources["limits"][GPU] == "1"
             assert budget >= 600
+
+
+def test_the_runtime_alone_sets_the_security_context_and_selects_nothing_by_itself(overlay):
+    """One place: the ServingRuntime's container carries the security context, so an
+    InferenceService that selects the runtime runs restricted without repeating it (KServe merges
+    field by field: one that sets e.g. runAsUser keeps the rest). And the runtime is never chosen
+    for an InferenceService that does not name it (autoSelect: other Triton services of the
+    namespace would run this image)."""
+    _, objects = overlay
+    runtime = find(objects, "ServingRuntime")
+    assert runtime_container(objects)["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": deploy.IMAGE_UID, "runAsGroup": deploy.IMAGE_UID,
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"}}
+    for fmt in runtime["spec"]["supportedModelFormats"]:
+        assert fmt["autoSelect"] is False and "priority" not in fmt, fmt
+    for isvc in isvcs(objects):
+        assert "securityContext" not in isvc["spec"]["predictor"]["model"]
+        assert isvc["spec"]["predictor"]["model"]["runtime"] == runtime["metadata"]["name"]
+        overridden = copy.deepcopy(isvc)
+        overridden["spec"]["predictor"]["model"]["securityContext"] = {"runAsUser": 20000}
+        security = kserve_pod(overridden, runtime)["spec"]["containers"][0]["securityContext"]
+        assert security["runAsUser"] == 20000 and security["capabilities"] == {"drop": ["ALL"]}
+
+
+# -- stopping a pod (README, "Draining"; tests/test_drain.py runs it) --------------------------------
+
+def test_the_raw_overlays_drain_a_pod_before_it_stops(overlay):
+    """RawDeployment: the preStop hook is cubeserve.deploy's drain, the grace period covers it and
+    then Triton's own shutdown, and Triton's exit timeout is the request timeout."""
+    from cubeserve.serving import drain
+
+    name, objects = overlay
+    args = runtime_container(objects)["args"]
+    assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in args  # both modes
+    assert deploy.EXIT_TIMEOUT_S == deploy.REQUEST_TIMEOUT_S
+    runtime = find(objects, "ServingRuntime")
+    for isvc in isvcs(objects):
+        predictor = isvc["spec"]["predictor"]
+        assert predictor["timeout"] == deploy.REQUEST_TIMEOUT_S
+        if name not in RAW_OVERLAYS:
+            continue
+        assert isvc["metadata"]["annotations"][MODE] == "RawDeployment"
+        hook = predictor["model"]["lifecycle"]
+        assert hook == {"preStop": {"exec": {"command": deploy.PRESTOP_COMMAND}}}
+        options = drain.build_parser().parse_args(deploy.PRESTOP_COMMAND[3:])  # the command parses
+        assert deploy.PRESTOP_COMMAND[:3] == [deploy.SUPERVISOR[0], "-m", "cubeserve.serving.drain"]
+        assert (options.http_port, options.metrics_port) == (deploy.HTTP_PORT, deploy.METRICS_PORT)
+        assert options.timeout == deploy.DRAIN_TIMEOUT_S >= deploy.REQUEST_TIMEOUT_S
+        assert deploy.PRESTOP_MAX_S > options.timeout + options.settle
+        grace = predictor["terminationGracePeriodSeconds"]
+        assert grace == deploy.TERMINATION_GRACE_PERIOD_S
+        assert grace >= deploy.REQUEST_TIMEOUT_S + deploy.PRESTOP_MAX_S
+        assert grace >= deploy.PRESTOP_MAX_S + deploy.EXIT_TIMEOUT_S
+        pod = kserve_pod(isvc, runtime)
+        assert pod["spec"]["terminationGracePeriodSeconds"] == grace
+        assert pod["spec"]["containers"][0]["lifecycle"] == hook
+
+
+def test_the_serverless_overlay_leaves_draining_to_knative():
+    """Knative refuses `lifecycle` on the user container and terminationGracePeriodSeconds in the
+    pod spec (k8s/components/raw-deployment cites where), and drains through queue-proxy."""
+    isvc = find(render("canary"), "InferenceService")
+    assert isvc["metadata"]["annotations"][MODE] == "Serverless"
+    text = json.dumps(isvc)
+    assert "lifecycle" not in text and "terminationGracePeriodSeconds" not in text and "preStop" not in text
+
+
+def test_the_raw_deployment_component_is_the_only_place_of_the_mode():
+    """The raw overlays take the mode from the component, not from patches of their own."""
+    for name in RAW_OVERLAYS:
+        kustomization = yaml.safe_load((REPO / "k8s" / "overlays" / name / "kustomization.yaml").read_text())
+        assert kustomization["components"] == ["../../components/raw-deployment"]
+        assert MODE.replace("/", "~1") not in json.dumps(kustomization.get("patches", []))
 
 
 # -- one source of truth: cubeserve.deploy ------------------------------------------------------------
