@@ -49,15 +49,24 @@ class Drain:
     """What a model instance knows of a drain (cubeserve/serving/drain.py, the preStop hook):
     whether the server refuses new requests now, and how many of its requests are in progress
     (accepted, not answered yet), as the gauge `cube3d_requests_in_progress` that the drain waits
-    on. Instances of one model version share the gauge (same labels): they add to it, never set it."""
+    on (summed over its series).
 
-    def __init__(self, labels: dict[str, str]):
+    One series per model instance (the `instance` label), set to this process's count under a
+    lock. Never `increment` from several threads: python_backend r24.10's Metric.increment releases
+    the GIL before it writes the value into the metric's one shared-memory block
+    (src/metric.cc, SendIncrementRequest), so two threads at once corrupt it and crash
+    tritonserver; `set` keeps the GIL."""
+
+    def __init__(self, args: dict):
         # A stub is a child of tritonserver; the marker names that process.
         self.marker = marker_path(os.getppid())
         self.family = pb_utils.MetricFamily(
             name=IN_PROGRESS_METRIC, kind=pb_utils.MetricFamily.GAUGE,
             description="Requests accepted and not yet answered (a drain waits for 0)")
-        self.gauge = self.family.Metric(labels=labels)
+        self.gauge = self.family.Metric(labels={"model": args["model_name"], "version": args["model_version"],
+                                                "instance": args["model_instance_name"]})
+        self._count = 0
+        self._lock = threading.Lock()
 
     def draining(self) -> bool:
         return self.marker is not None and self.marker.exists()
@@ -69,7 +78,9 @@ class Drain:
             "replica will serve it")), "unavailable")
 
     def add(self, n: int) -> None:
-        self.gauge.increment(n)
+        with self._lock:
+            self._count += n
+            self.gauge.set(self._count)
 
 
 class Reply:

@@ -136,7 +136,7 @@ class EngineModel:
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
                                    stats=TritonStats(labels), graphs=graphs,
                                    max_queue=int(max_queue) if max_queue else None).start()
-        self.drain = Drain(labels)
+        self.drain = Drain(args)
         self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
         self.forwarded_lock = threading.Lock()
         pb_utils.Logger.log_info(

@@ -62,7 +62,7 @@ class PredictModel:
         self.pending_lock = threading.Lock()
         self.stopping = threading.Event()
         self.server_pid = os.getppid()  # the stub is a child of tritonserver
-        self.drain = Drain({"model": args["model_name"], "version": args["model_version"]})
+        self.drain = Drain(args)
         self.watchdog = threading.Thread(target=self._watch, name="cube3d-watchdog", daemon=True)
         self.watchdog.start()
 
