@@ -107,24 +107,17 @@ def test_the_weights_are_those_the_reference_ran_on(weights, name):
     _check_weights(weights, name)
 
 
+@pytest.mark.parametrize("path", ["cached", "uncached"])
 @pytest.mark.parametrize("name,mode", GROUPS)
-def test_cached_engine_generates_the_reference_tokens(weights, engine_for, name, mode):
-    """Every case of a weights set and mode in one batch: mixed prompts, boxes and guidance."""
+def test_the_engine_generates_the_reference_tokens(weights, engine_for, name, mode, path):
+    """Every case of a weights set and mode in one batch (mixed prompts, boxes and guidance),
+    through the cached engine and through the uncached forward."""
     _check_weights(weights, name)
     cases = [c for c in CASES if (c["weights"], c["single_block_mode"]) == (name, mode)]
-    tokens = engine_for(name, mode).generate_tokens([_request(c) for c in cases])
-    problems = _mismatches(cases, tokens)
-    assert not problems, (f"{name}, single block {mode!r}: cube-serve disagrees with the reference "
-                          f"(commit {FACTS['reference']['commit'][:12]}):\n" + "\n".join(problems))
-
-
-@pytest.mark.parametrize("name,mode", GROUPS)
-def test_uncached_forward_generates_the_reference_tokens(weights, engine_for, name, mode):
-    _check_weights(weights, name)
-    cases = [c for c in CASES if (c["weights"], c["single_block_mode"]) == (name, mode)]
-    tokens = engine_for(name, mode).generate_tokens_uncached([_request(c) for c in cases])
-    problems = _mismatches(cases, tokens)
-    assert not problems, (f"{name}, single block {mode!r}, uncached: cube-serve disagrees with the reference "
+    engine = engine_for(name, mode)
+    generate = engine.generate_tokens if path == "cached" else engine.generate_tokens_uncached
+    problems = _mismatches(cases, generate([_request(c) for c in cases]))
+    assert not problems, (f"{name}, single block {mode!r}, {path}: cube-serve disagrees with the reference "
                           f"(commit {FACTS['reference']['commit'][:12]}):\n" + "\n".join(problems))
 
 
