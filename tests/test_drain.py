@@ -48,10 +48,13 @@ DRAINED_GRACE = 2.0  # the supervisor's --drained-grace here (10 s in a pod)
 # What each way of stopping gets wrong (the fix: nothing). A plain SIGTERM is Triton 2.51's own
 # shutdown (serving/drain.py): new connections are closed unanswered, requests on open HTTP
 # connections and on gRPC are still taken, and whatever runs when the exit timeout ends is cut.
+# (problems it must show, problems it may show): with a 2 s exit timeout, whether a new request
+# is still taken depends on how far the shutdown got on a loaded machine; the generations it
+# cuts do not.
 PROBLEMS = {
-    "prestop-drain": set(),
-    "sigterm-exit-timeout-2s": {"in-flight cut", "new connection reset", "new work taken"},
-    "sigterm-exit-timeout-600s": {"new connection reset", "new work taken"},
+    "prestop-drain": (set(), set()),
+    "sigterm-exit-timeout-2s": ({"in-flight cut", "new connection reset"}, {"new work taken"}),
+    "sigterm-exit-timeout-600s": ({"new connection reset", "new work taken"}, set()),
 }
 
 
@@ -255,4 +258,5 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
             time.sleep(0.1)
     finally:
         server.stop(timeout=30)
-    assert problems == PROBLEMS[how], how
+    must, may = PROBLEMS[how]
+    assert must <= problems <= must | may, (how, problems)
