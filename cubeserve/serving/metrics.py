@@ -1,0 +1,63 @@
+"""The Prometheus metrics of a cube-serve server: names, labels and buckets in one place, free of
+torch and Triton, so that the Triton models that write them, `cubeserve rollout analyze` that
+queries them, and the alerts and dashboard in k8s/monitoring/ agree.
+
+Labels on every series: `model` (the Triton model that recorded it), `version` (the checkpoint
+version, which is the Triton model version: serving/repository.py), and on the per-request and
+per-object series `arm` (the experiment arm that served it; "" outside an experiment, "shadow"
+for a shadow test's copy of a request, see serving/experiment.py).
+
+Per request, recorded by the model the client called (the predict model `cube3d`, or
+`cube3d_stream` for its own clients), so that a request is counted once:
+    cube3d_requests_total{outcome}                    counter
+    cube3d_request_duration_seconds                   histogram, requests that succeeded
+Per generated object, recorded by the engine (`cube3d_stream`) of the version that made it:
+    cube3d_time_per_output_token_seconds              histogram, decode time / tokens
+    cube3d_request_queue_seconds                      histogram, wait before joining the batch
+    cube3d_meshes_total{quality}                      counter
+Per shadowed request, recorded by the predict model (`version` is the shadow's, `baseline`
+the version whose answer the client got):
+    cube3d_shadow_requests_total{outcome}             counter (outcomes as above, or "skipped")
+    cube3d_shadow_request_duration_seconds            histogram, shadow copies that succeeded
+    cube3d_shadow_agreement{measure}                  histogram in [0, 1]
+"""
+
+from __future__ import annotations
+
+REQUESTS = "cube3d_requests_total"
+REQUEST_DURATION = "cube3d_request_duration_seconds"
+TIME_PER_OUTPUT_TOKEN = "cube3d_time_per_output_token_seconds"
+QUEUE_TIME = "cube3d_request_queue_seconds"
+MESHES = "cube3d_meshes_total"
+SHADOW_REQUESTS = "cube3d_shadow_requests_total"
+SHADOW_DURATION = "cube3d_shadow_request_duration_seconds"
+SHADOW_AGREEMENT = "cube3d_shadow_agreement"
+
+# outcome label values
+OK = "ok"
+INVALID = "invalid"  # the caller's mistake (HTTP 400)
+FAILED = "failed"  # the server's failure: generation failed (HTTP 500)
+UNAVAILABLE = "unavailable"  # refused or cut: busy, draining, deadline passed, engine gone (503)
+CANCELLED = "cancelled"  # the client went away first
+SKIPPED = "skipped"  # a shadow copy not sent: the shadow already had max_in_flight copies
+OUTCOMES = (OK, INVALID, FAILED, UNAVAILABLE, CANCELLED)
+# protocol.error_kind -> outcome
+OUTCOME_OF_ERROR = {"invalid": INVALID, "unavailable": UNAVAILABLE, "internal": FAILED}
+
+# quality label values of cube3d_meshes_total
+MESH_OK = "ok"
+MESH_EMPTY = "empty"  # no surface at all (num_faces 0)
+MESH_NOT_WATERTIGHT = "not_watertight"
+MESH_QUALITIES = (MESH_OK, MESH_EMPTY, MESH_NOT_WATERTIGHT)
+
+# measure label values of cube3d_shadow_agreement
+AGREEMENT_TOKENS = "tokens"  # greedy requests: share of positions with the same shape token (1 = identical)
+AGREEMENT_MESH_IOU = "mesh_iou"  # sampled requests: volumetric IoU of the two meshes
+
+SHADOW_ARM = "shadow"  # the `arm` of a shadow copy's engine series
+
+# Histogram buckets (upper bounds, seconds unless noted). A mesh takes seconds to minutes.
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512)
+QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+AGREEMENT_BUCKETS = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0)  # 0.999 < x <= 1: identical
