@@ -1,4 +1,4 @@
-"""`cubeserve rollout ...`: status, canary, promote, rollback, ab."""
+"""`cubeserve rollout ...`: status, canary, promote, rollback, ab, analyze."""
 
 from __future__ import annotations
 
@@ -125,6 +125,72 @@ def run_rollout(args, out=None) -> int:
         return API_ERROR
 
 
+# `analyze` (the promotion gate): 0 pass, 1 fail (or Prometheus could not answer: never a pass),
+# 2 a bad threshold or window, 3 not enough data yet (as NOT_READY: ask again later).
+GATE_PASSED, GATE_FAILED, NOT_ENOUGH_DATA = DONE, 1, NOT_READY
+
+
+def run_analyze(args, out=None) -> int:
+    """The `cubeserve rollout analyze` handler: the gate's figures and verdict."""
+    from cubeserve.rollout import analyze
+
+    out = out or sys.stdout
+    try:
+        thresholds = analyze.Thresholds(**{name: getattr(args, name) for name in analyze.Thresholds.names()})
+        window = analyze.parse_window(args.window)
+        result = analyze.analyze(args.prometheus, args.candidate, args.baseline, window, thresholds,
+                                 selector=args.selector)
+    except ValueError as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return REFUSED
+    except analyze.PrometheusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return GATE_FAILED
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.report(), file=out)
+    return {analyze.PASS: GATE_PASSED, analyze.FAIL: GATE_FAILED}.get(result.result, NOT_ENOUGH_DATA)
+
+
+def _limit(text: str) -> float | None:
+    """A threshold, or "none" / "off" for no check."""
+    return None if text.strip().lower() in ("none", "off") else float(text)
+
+
+def _shown(limit) -> str:
+    return "off" if limit is None else f"{limit:g}"
+
+
+def _add_analyze_parser(sub) -> None:
+    from cubeserve.rollout.analyze import Thresholds
+
+    defaults = Thresholds()
+    a = sub.add_parser(
+        "analyze", help="the promotion gate: candidate against baseline from Prometheus",
+        description="Compare a candidate checkpoint version with the baseline over a window of Prometheus "
+                    "data (error rate, latency, time per token, meshes, shadow agreement). Exit codes: 0 pass, "
+                    "1 fail or Prometheus error, 2 bad arguments, 3 not enough data.")
+    a.add_argument("--prometheus", required=True, metavar="URL", help="Prometheus, e.g. http://prometheus:9090")
+    a.add_argument("--candidate", required=True, help="checkpoint version under test")
+    a.add_argument("--baseline", help="checkpoint version to compare with (none: absolute limits only)")
+    a.add_argument("--window", default="5m", help="how far back to look: 30s, 5m, 1h (default: %(default)s)")
+    a.add_argument("--selector", default="", help='more label matchers, e.g. namespace="models"')
+    a.add_argument("--json", action="store_true", help="the analysis as JSON")
+    help_of = {"min_requests": "fewer answers per version in the window: not enough data",
+               "max_error_rate": "most (failed + unavailable) / answered",
+               "max_error_rate_increase": "most error rate above the baseline's",
+               "max_p95_seconds": "most p95 latency of successful requests",
+               "max_p95_ratio": "most p95 latency as a multiple of the baseline's",
+               "max_time_per_token_ratio": "most p95 time per output token as a multiple of the baseline's",
+               "max_empty_mesh_rate": "most share of empty meshes",
+               "max_not_watertight_rate": "most share of meshes that are not watertight",
+               "min_shadow_agreement": "least mean agreement of shadow answers (when a shadow ran)"}
+    for name, text in help_of.items():
+        kind = int if name == "min_requests" else _limit
+        a.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=getattr(defaults, name),
+                       help=f"{text} (default: {_shown(getattr(defaults, name))}"
+                            f"{'' if name == 'min_requests' else '; off: not checked'})")
+    a.set_defaults(func=run_analyze)
+
+
 def add_rollout_parser(subparsers) -> argparse.ArgumentParser:
     """Add `rollout` to a `cubeserve` subparsers object; the handler is `args.func`."""
     common = argparse.ArgumentParser(add_help=False)
@@ -162,6 +228,7 @@ def add_rollout_parser(subparsers) -> argparse.ArgumentParser:
     ab = sub.add_parser("ab", parents=[common, changing], help="set the A/B weights of the InferenceGraph")
     ab.add_argument("--weights", required=True, help="step weights adding up to 100, e.g. a=80,b=20")
     ab.add_argument("--graph", default=DEFAULT_GRAPH, help="InferenceGraph name (default: %(default)s)")
+    _add_analyze_parser(sub)
     p.set_defaults(func=run_rollout)
     return p
 
