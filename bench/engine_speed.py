@@ -61,7 +61,6 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
     from cubeserve.config import get_config
     from cubeserve.engine import GenerationRequest
     from cubeserve.engine import geometry
-    from cubeserve.engine.batch import SlotPool
 
     cfg = get_config(config)
     cuda = device.type == "cuda"
@@ -90,7 +89,7 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
     for mode, graphs in modes:
         for k in flights:
             t0 = time.perf_counter()
-            pool = SlotPool(engine, k, graphs=graphs, graph_buckets=(k,), length_buckets=4)
+            pool = engine.decode_runner(k, graph_buckets=(k,) if graphs else None, length_buckets=4)
             capture = time.perf_counter() - t0
             sync(device)
             t0 = time.perf_counter()

@@ -6,7 +6,6 @@ import torch
 
 from cubeserve.engine import Engine
 from cubeserve.engine import GenerationRequest as Req
-from cubeserve.engine.batch import SlotPool
 from cubeserve.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
@@ -22,7 +21,7 @@ def cuda_engine(tiny_weights, request):
 
 def test_graph_steps_equal_eager_steps(cuda_engine):
     eager = cuda_engine.generate_tokens(REQUESTS)
-    pool = SlotPool(cuda_engine, max_objects=8, graphs=True, graph_buckets=(1, 2, 4, 8))
+    pool = cuda_engine.decode_runner(max_objects=8, graph_buckets=(1, 2, 4, 8))
     pool.admit(REQUESTS)
     for _ in range(cuda_engine.cfg.num_tokens):
         pool.step()
@@ -31,7 +30,7 @@ def test_graph_steps_equal_eager_steps(cuda_engine):
 
 def test_graphs_with_requests_joining_mid_generation(cuda_engine, run_steps):
     alone = [cuda_engine.generate_tokens([r])[0] for r in REQUESTS[:3]]
-    pool = SlotPool(cuda_engine, max_objects=4, graphs=True, graph_buckets=(1, 2, 4))
+    pool = cuda_engine.decode_runner(max_objects=4, graph_buckets=(1, 2, 4))
     done = {}
     pool.admit([REQUESTS[0]])
     run_steps(pool, 7, done)
@@ -49,7 +48,7 @@ def test_bfloat16_scheduler_with_graphs_serves_concurrent_requests(tiny_weights,
     prompts = ["a red chair", "a lamp", "a boat", "a mug", "a wooden table", "a sports car", "a dragon", ""]
     reqs = [Req(p, resolution=5, guidance_scale=0.0 if i % 4 == 3 else 3.0) for i, p in enumerate(prompts)]
     with Scheduler(engine, max_objects=8) as sched:
-        assert sched.pool.graphs is not None
+        assert sched.runner.graphs
         results = [t.result(timeout=120) for t in [sched.submit(r) for r in reqs]]
     assert all(not r.mesh.empty and len(r.tokens) == engine.cfg.num_tokens for r in results)
     for r, res in zip(reqs, results):

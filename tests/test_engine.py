@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from cubeserve.engine import GenerationRequest as Req
-from cubeserve.model.layers import attention, layer_norm, merge_heads
 
 PROMPTS = ["a red chair", "a round table with four legs", ""]
 
@@ -29,35 +28,10 @@ def test_bbox_changes_the_condition(make_engine):
     assert (a - b).abs().max().item() > 1e-3
 
 
-def _bos_only_forward(gpt, shape_embeds, cond):
-    """An independent computation of the reference's cached behaviour: the full forward, with
-    the single block's attention written out as 'every query sees only position 0'."""
-    cfg = gpt.cfg
-    x = shape_embeds.float()
-    s, L = cond.shape[1], x.shape[1]
-    # Dual blocks: as the uncached forward (they are unaffected by the quirk).
-    rot = gpt.rope(torch.arange(L))
-    mask = torch.ones(s + L, s + L, dtype=torch.bool).tril()
-    c = cond.float()
-    for block in gpt.transformer.dual_blocks:
-        qx, kx, vx = block.attn.pre_x(layer_norm(x, cfg.eps), rot)
-        qc, kc, vc = block.attn.pre_c(layer_norm(c, cfg.eps))  # position 0: no rotation
-        k, v = torch.cat([kc, kx], 2), torch.cat([vc, vx], 2)
-        if block.last:
-            x = block.post_1(x, merge_heads(attention(qx, k, v, mask=mask[s:])))
-        else:
-            y = attention(torch.cat([qc, qx], 2), k, v, mask=mask)
-            c = block.post_2(c, merge_heads(y[:, :, :s]))
-            x = block.post_1(x, merge_heads(y[:, :, s:]))
-    for block in gpt.transformer.single_blocks:
-        _, _, v = block.attn.qkv(layer_norm(x, cfg.eps))
-        y = v[:, :, :1].expand(-1, -1, L, -1)  # softmax over a single key is 1: output = v_0
-        x = block.update(x, merge_heads(y))
-    return gpt.logits(x)
-
-
 @pytest.mark.parametrize("guidance", [0.0, 3.0])
 def test_reference_mode_equals_independent_bos_only_computation(make_engine, guidance):
+    """The cached reference mode against the full forward over whole sequences, whose single
+    block gives every position BOS's value (what the reference's cached decode ends up with)."""
     engine = make_engine("tiny", "reference")
     reqs = [Req(p, guidance_scale=guidance) for p in PROMPTS]
     tokens, logits = engine.generate_tokens(reqs, return_logits=True)
@@ -66,7 +40,7 @@ def test_reference_mode_equals_independent_bos_only_computation(make_engine, gui
     cond = torch.cat([engine.condition([r.prompt for r in reqs], [None] * b),
                       engine.condition([""] * b, [None] * b)])
     seq = torch.cat([torch.full((b, 1), gpt.cfg.bos_id), tokens[:, :-1]], dim=1).repeat(2, 1)
-    full = _bos_only_forward(gpt, gpt.embed_tokens(seq), cond)[..., : gpt.cfg.shape_model_vocab_size]
+    full = gpt.forward_uncached(gpt.embed_tokens(seq), cond, "reference")[..., : gpt.cfg.shape_model_vocab_size]
     g = guidance * (n - torch.arange(n)) / n
     expected = (1 + g)[None, :, None] * full[:b] - g[None, :, None] * full[b:]
     assert (logits - expected).abs().max().item() < 1e-4
@@ -130,12 +104,10 @@ def test_empty_prompt_is_the_unconditional_prompt(make_engine):
 
 def test_requests_joining_mid_generation_get_their_own_tokens(make_engine, run_steps):
     """Continuous batching: rows at different positions, a free slot inside the batch range."""
-    from cubeserve.engine.batch import SlotPool
-
     engine = make_engine("tiny", "causal")
     a, b, c = Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0)
     alone = {r.prompt: engine.generate_tokens([r])[0] for r in (a, b, c)}
-    pool = SlotPool(engine, max_objects=3)
+    pool = engine.decode_runner(max_objects=3)
     done = {}
 
     def step(times):
@@ -160,14 +132,10 @@ def test_the_captured_step_padded_bucketed_and_masked_gives_the_eager_tokens(mak
     """What a CUDA graph replays (slots padded to a bucket, attention over a cache-length
     bucket with masks, all sampling kernels), run eagerly: same tokens as the trimmed step,
     with requests joining mid-generation and a free slot inside the range."""
-    from cubeserve.engine.batch import SlotPool
-    from cubeserve.engine.graphs import DecodeGraphs
-
     engine = make_engine("tiny", mode)
     reqs = [Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0)]
     alone = [engine.generate_tokens([r])[0] for r in reqs]
-    pool = SlotPool(engine, max_objects=8)
-    pool.graphs = DecodeGraphs(pool, (1, 2, 4, 8), length_buckets=4, capture=False)
+    pool = engine.decode_runner(max_objects=8, graph_buckets=(1, 2, 4, 8), length_buckets=4, capture=False)
     done = {}
 
     def step(times):

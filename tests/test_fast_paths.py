@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from cubeserve.checkpoint import init_random_models, load_models, parameter_counts, save_checkpoint
 from cubeserve.config import V0_1, get_config
 from cubeserve.engine import GenerationRequest as Req
-from cubeserve.engine.batch import SlotPool
 from cubeserve.model.gpt import decode_modules
 from cubeserve.model.layers import FusedLinear, SwiGLU, fuse_linears, pack_linears, pack_weight, product
 
@@ -105,7 +104,7 @@ def test_uniform_steps_equal_masked_steps(make_engine, mode):
     value in reference mode); the masked per-row path must give the same logits."""
     engine = make_engine("tiny", mode)
     reqs = [Req("a red chair"), Req("a lamp", guidance_scale=1.5)]
-    pools = [SlotPool(engine, max_objects=2) for _ in range(2)]
+    pools = [engine.decode_runner(max_objects=2) for _ in range(2)]
     for pool in pools:
         pool.admit(reqs)
     for _ in range(12):
@@ -124,15 +123,13 @@ def test_bfloat16_engine_on_the_cpu_runs_the_gpu_dtype_path(tiny_weights, make_e
     no GPU is: the padded, masked step the CUDA graphs capture gives the eager step's tokens,
     and the first step's logits stay near float32's."""
     from cubeserve.engine import Engine
-    from cubeserve.engine.graphs import DecodeGraphs
 
     engine = Engine.from_dir(tiny_weights, device="cpu", dtype="bfloat16")
     assert engine.gpt.lm_head.weight.dtype == torch.bfloat16
     assert engine.gpt.transformer.dual_blocks[0].attn.pre_x.fused_qkv.weight.dtype == torch.bfloat16
     reqs = [Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0)]
     eager = engine.generate_tokens(reqs)
-    pool = SlotPool(engine, max_objects=4)
-    pool.graphs = DecodeGraphs(pool, (1, 2, 4), length_buckets=4, capture=False)
+    pool = engine.decode_runner(max_objects=4, graph_buckets=(1, 2, 4), length_buckets=4, capture=False)
     pool.admit(reqs)
     for _ in range(engine.cfg.num_tokens):
         pool.step()

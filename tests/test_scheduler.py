@@ -95,7 +95,7 @@ def test_cancelled_request_leaves_the_batch_and_others_finish(make_engine):
             slow.result(timeout=60)
         assert other.result(timeout=60).tokens == engine.generate_tokens([Req("keep me")])[0].tolist()
         time.sleep(0.2)
-        assert not sched.pool.busy_slots
+        assert not sched.runner.busy_slots
         tokens_after_cancel = sched.stats.snapshot()["tokens_generated"]
     assert tokens_after_cancel < 2 * engine.cfg.num_tokens  # the cancelled one stopped early
 
@@ -136,9 +136,7 @@ def test_one_openmp_team_geometry_thread_single_threaded_others_untouched():
 def test_slot_state_carries_no_autograd_history(make_engine):
     """An admission with grad enabled chained every slot's inputs into one autograd graph that
     grew for as long as the server lived."""
-    from cubeserve.engine.batch import SlotPool
-
-    pool = SlotPool(make_engine("tiny"), max_objects=2)
+    pool = make_engine("tiny").decode_runner(max_objects=2)
     for _ in range(3):
         slot = pool.admit([Req("a chair")])[0]
         pool.release(slot)

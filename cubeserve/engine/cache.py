@@ -6,6 +6,9 @@ S + p. Keys are stored after RoPE, so nothing is re-rotated per step (condition 
 position 0, where RoPE is the identity). Single layers keep [rows, heads, N, head_dim] in
 `causal` mode; in `reference` mode the query only ever sees slot 0 (BOS), so they keep the
 BOS value alone.
+
+The model's blocks reach the cache through `cubeserve.model.gpt.Keys`: `ConditionPrefill` keeps
+the condition stream's keys and values, `CacheStep` is one decode step's view of the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +16,98 @@ from __future__ import annotations
 import torch
 
 from cubeserve.config import ModelConfig
+from cubeserve.model.gpt import DualStreamGPT
+
+
+class ConditionPrefill:
+    """`Keys` of the condition stream run alone: causal among the condition tokens; keeps
+    every dual layer's keys and values, [B, H, S, hd] in `dtype` (`kv`)."""
+
+    single_block_mode = "causal"  # unused: prefill runs no single block
+    rot = None
+    single_mask = None
+
+    def __init__(self, cond_len: int, dtype: torch.dtype, device):
+        self.dtype = dtype
+        self.mask = torch.ones(cond_len, cond_len, dtype=torch.bool, device=device).tril()
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def dual(self, layer, k, v):
+        self.kv.append((k.to(self.dtype), v.to(self.dtype)))
+        return self.kv[-1]
+
+    def dual_mask(self, cond_queries, shape_queries):
+        return self.mask
+
+
+@torch.no_grad()
+def prefill_condition(gpt: DualStreamGPT, cond: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Condition keys/values of every dual layer, [B, H, S, hd] each, in `dtype`: they depend
+    on the prompt alone (condition tokens never see shape tokens)."""
+    keys = ConditionPrefill(cond.shape[1], dtype, cond.device)
+    gpt.prefill(cond, keys)
+    return keys.kv
+
+
+class CacheStep:
+    """`Keys` of one decode step for cache rows 0..R-1, one new token per row at `positions`.
+
+    `live` (host int) = 1 + the largest position: attention reads only the first S + live
+    slots. With `uniform` (every row at position live - 1, which the host knows) no mask is
+    needed, writes are plain slices, and in reference mode past position 0 the single
+    blocks' output is the cached BOS value alone.
+    """
+
+    def __init__(self, cache: "KVCache", n_rows: int, positions: torch.Tensor, rot: torch.Tensor,
+                 live: int, uniform: bool):
+        s = cache.cond_len
+        self.cache, self.n_rows, self.positions, self.live, self.uniform = cache, n_rows, positions, live, uniform
+        self.single_block_mode = cache.single_block_mode
+        self.rot = rot
+        if uniform:
+            self.mask, self.single_mask = None, None
+            self.dual_slot, self.single_slot = s + live - 1, live - 1
+        else:
+            slots = torch.arange(s + live, device=positions.device)
+            self.mask = (slots[None, :] <= (s + positions)[:, None])[:, None, None, :]
+            self.single_mask = (slots[None, :live] <= positions[:, None])[:, None, None, :]
+            row_ids = torch.arange(n_rows, device=positions.device)
+            self.dual_slot = (row_ids, slice(None), s + positions)
+            self.single_slot = (row_ids, slice(None), positions)
+
+    def _write(self, cache: torch.Tensor, slot, value: torch.Tensor) -> None:
+        """Store value [R, H, 1, hd] at each row's slot: one slice for all rows when uniform."""
+        if self.uniform:
+            cache[:, :, slot] = value[:, :, 0]
+        else:
+            cache[slot] = value[:, :, 0].to(cache.dtype)
+
+    def dual(self, layer, k, v):
+        end = self.cache.cond_len + self.live
+        kc, vc = self.cache.dual_k[layer][: self.n_rows], self.cache.dual_v[layer][: self.n_rows]
+        self._write(kc, self.dual_slot, k)
+        self._write(vc, self.dual_slot, v)
+        return kc[:, :, :end], vc[:, :, :end]
+
+    def dual_mask(self, cond_queries, shape_queries):
+        return self.mask
+
+    def single(self, layer, k, v):
+        kc, vc = self.cache.single_k[layer][: self.n_rows], self.cache.single_v[layer][: self.n_rows]
+        self._write(kc, self.single_slot, k)
+        self._write(vc, self.single_slot, v)
+        return kc[:, :, : self.live], vc[:, :, : self.live]
+
+    def bos_value(self, layer):
+        # Past position 0 on every row (the host knows when) the cache holds it.
+        return self.cache.single_v[layer][: self.n_rows] if self.uniform and self.live > 1 else None
+
+    def keep_bos_value(self, layer, v):
+        # Computed for every row and selected (no host sync): a row at position 0 keeps its own.
+        vcache = self.cache.single_v[layer][: self.n_rows]
+        y = torch.where((self.positions == 0)[:, None, None, None], v.to(vcache.dtype), vcache)
+        vcache.copy_(y)
+        return y
 
 
 class KVCache:
@@ -30,6 +125,9 @@ class KVCache:
         self.single_k = ([torch.zeros(single_shape, device=device, dtype=dtype) for _ in range(g.n_single_layer)]
                          if single_block_mode == "causal" else [])
         self.single_v = [torch.zeros(single_shape, device=device, dtype=dtype) for _ in range(g.n_single_layer)]
+
+    def step(self, n_rows: int, positions: torch.Tensor, rot: torch.Tensor, live: int, uniform: bool) -> CacheStep:
+        return CacheStep(self, n_rows, positions, rot, live, uniform)
 
     def set_condition(self, rows: slice, cond_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write prefilled condition keys/values [n, H, S, hd] (or broadcastable) into `rows`."""

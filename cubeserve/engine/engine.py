@@ -20,10 +20,10 @@ import torch
 from cubeserve.checkpoint import CLIP_DIR, load_models
 from cubeserve.config import ModelConfig
 from cubeserve.engine import geometry
-from cubeserve.engine.batch import SlotPool
+from cubeserve.engine.cache import prefill_condition
 from cubeserve.engine.requests import GenerationRequest
+from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
-from cubeserve.engine.step import prefill_condition
 from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT, decode_modules
 from cubeserve.model.layers import cast_linears, fuse_linears, pack_linears
 from cubeserve.model.text import TextEncoder
@@ -105,6 +105,12 @@ class Engine:
                                dtype=torch.float32, device=self.device)
         return self.gpt.condition(hidden, box)
 
+    def decode_runner(self, max_objects: int, graph_buckets: tuple[int, ...] | None = None,
+                      length_buckets: int = 4, capture: bool = True) -> DecodeRunner:
+        """Slots for `max_objects` objects in flight on this engine's models (`DecodeRunner`)."""
+        return DecodeRunner(self.cfg, self.gpt, self.condition, self.uncond_kv, max_objects, self.device,
+                            self.dtype, self.single_block_mode, graph_buckets, length_buckets, capture)
+
     def validate(self, requests: list[GenerationRequest]) -> None:
         for r in requests:
             r.validate(uses_bbox=self.cfg.gpt.use_bbox)
@@ -118,16 +124,16 @@ class Engine:
         With `return_logits`, also the guided fp32 logits [B, N, codes] of every step.
         """
         self.validate(requests)
-        pool = SlotPool(self, max_objects=len(requests))
-        pool.admit(requests)
+        runner = self.decode_runner(max_objects=len(requests))
+        runner.admit(requests)
         all_logits = []
         for step in range(self.cfg.num_tokens):
-            out = pool.step(return_logits=return_logits)
+            out = runner.step(return_logits=return_logits)
             if return_logits:
                 all_logits.append(out.guided_logits)
             if on_step is not None:
                 on_step(step + 1)
-        tokens = pool.tokens.clone()
+        tokens = runner.tokens.clone()
         return (tokens, torch.stack(all_logits, dim=1)) if return_logits else tokens
 
     @torch.no_grad()

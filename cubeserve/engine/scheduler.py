@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
-from cubeserve.engine.batch import SlotPool
 from cubeserve.engine.engine import Engine, GenerationResult
 from cubeserve.engine.requests import GenerationRequest, Unavailable
+from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class Scheduler:
         self.engine = engine
         if graphs is None:
             graphs = engine.device.type == "cuda"
-        self.pool = SlotPool(engine, max_objects, graphs=graphs, graph_buckets=graph_buckets)
+        self.runner = engine.decode_runner(max_objects, graph_buckets=graph_buckets if graphs else None)
         self.stats = stats or EngineStats()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._slots: dict[int, Ticket] = {}
@@ -152,9 +152,14 @@ class Scheduler:
         self._decode_thread = threading.Thread(target=self._decode_loop, name="cubeserve-decode", daemon=True)
         self._geometry_thread = threading.Thread(target=self._geometry_loop, name="cubeserve-geometry", daemon=True)
 
+    @property
+    def pool(self) -> DecodeRunner:
+        """The runner under its former name, which cubeserve/serving reads (`pool.max_objects`)."""
+        return self.runner
+
     def start(self) -> "Scheduler":
         # The decode thread should own the process's only OpenMP team (see engine/threads.py):
-        # the thread that built the engine and the pool hands its workers back.
+        # the thread that built the engine and the runner hands its workers back.
         release_openmp_workers()
         self._decode_thread.start()
         self._geometry_thread.start()
@@ -195,10 +200,10 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise Unavailable("the engine is stopping (model unloaded or server shutting down)")
-            if self._outstanding >= self.pool.max_objects + self.max_queue:
+            if self._outstanding >= self.runner.max_objects + self.max_queue:
                 self.stats.on_dropped("refused_busy")
                 raise Unavailable(f"the server is busy: {self._outstanding} requests in progress or waiting "
-                                  f"(max_objects {self.pool.max_objects} + max_queue {self.max_queue}); retry later")
+                                  f"(max_objects {self.runner.max_objects} + max_queue {self.max_queue}); retry later")
             self._outstanding += 1
             self._waiting.append(ticket)
             self.stats.on_waiting(len(self._waiting))
@@ -257,7 +262,7 @@ class Scheduler:
                 self._cv.wait()
         self._sweep_waiting()
         with self._cv:
-            free = len(self.pool.free_slots)
+            free = len(self.runner.free_slots)
             batch = []
             while self._waiting and len(batch) < free:
                 ticket = self._waiting.popleft()
@@ -267,7 +272,7 @@ class Scheduler:
         if not batch:
             return
         try:
-            slots = self.pool.admit([t.request for t in batch])
+            slots = self.runner.admit([t.request for t in batch])
         except Exception as exc:  # e.g. out of memory in CLIP or prefill: fail these, keep serving
             log.exception("admission failed")
             for t in batch:
@@ -283,7 +288,7 @@ class Scheduler:
         dropped = False
         for slot, ticket in list(self._slots.items()):
             if self._drop(ticket):
-                self.pool.release(slot)
+                self.runner.release(slot)
                 del self._slots[slot]
                 dropped = True
         if dropped:
@@ -300,11 +305,11 @@ class Scheduler:
             in_flight = len(self._slots)
             t0 = time.perf_counter()
             try:
-                out = self.pool.step()
+                out = self.runner.step()
             except Exception as exc:  # fail the objects in flight, keep the loop alive
                 log.exception("decode step failed")
                 for slot, ticket in list(self._slots.items()):
-                    self.pool.release(slot)
+                    self.runner.release(slot)
                     ticket.future.set_exception(exc)
                 self._slots.clear()
                 continue
@@ -312,14 +317,14 @@ class Scheduler:
             for slot, ticket in self._slots.items():
                 if ticket.on_progress is not None:
                     try:
-                        ticket.on_progress(self.pool.generated[slot])
+                        ticket.on_progress(self.runner.generated[slot])
                     except Exception:  # a caller's callback must not stop the batch
                         log.exception("progress callback failed")
             for slot in out.finished:
                 ticket = self._slots.pop(slot)
                 ticket.decoded = time.perf_counter()
-                tokens = self.pool.tokens[slot].clone()
-                self.pool.release(slot)
+                tokens = self.runner.tokens[slot].clone()
+                self.runner.release(slot)
                 with self._geometry_cv:
                     self._geometry.append((ticket, tokens))
                     self._geometry_cv.notify()

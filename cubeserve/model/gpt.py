@@ -1,15 +1,16 @@
-"""The dual-stream decoder, with the reference's module and tensor names.
+"""The dual-stream decoder, with the reference's module and tensor names: the one description
+of its math.
 
 Sequence: [cond_0 .. cond_{S-1}] ++ [BOS, t_0 .. t_{L-2}]. Blocks 0..n_layer-2 update both
 streams; the last dual block updates the shape stream only; single blocks see the shape
-stream only. `forward_uncached` is the plain full forward the reference runs without a
-cache; the cached prefill/decode steps live in `cubeserve.engine.decode` and reuse the
-per-stream pieces defined here.
+stream only. Each block's forward attends through `Keys`: the uncached forward
+(`FullSequence`: whole sequences, as the reference without a cache and as training) or the
+engine's KV cache (`cubeserve.engine.cache`: condition prefill, then one token per step).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -107,13 +108,50 @@ class DualAttention(nn.Module):
 
 
 class DualBlock(nn.Module):
+    """Joint attention over [condition ; shape], then each stream's own update. The last dual
+    block updates the shape stream only (its condition stream gives keys and values)."""
+
     def __init__(self, cfg: GPTConfig, last: bool):
         super().__init__()
+        self.eps = cfg.eps
         self.last = last
         self.attn = DualAttention(cfg, cond_query=not last)
         self.post_1 = StreamUpdate(cfg)
         if not last:
             self.post_2 = StreamUpdate(cfg)
+
+    def forward(self, x: torch.Tensor | None, c: torch.Tensor | None, keys: "Keys",
+                layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """x: the shape stream [B, L, D], or None (condition prefill); c: the condition stream
+        [B, S, D], or None (a decode step: its keys and values are in the cache)."""
+        queries, new_k, new_v = [], [], []
+        cond_queries = c is not None and not self.last
+        if c is not None:
+            # Condition tokens all sit at RoPE position 0, where the rotation is the identity.
+            qc, kc, vc = self.attn.pre_c(layer_norm(c, self.eps))
+            queries += [qc] if cond_queries else []
+            new_k.append(kc)
+            new_v.append(vc)
+        if x is not None:
+            qx, kx, vx = self.attn.pre_x(layer_norm(x, self.eps), keys.rot)
+            queries.append(qx)
+            new_k.append(kx)
+            new_v.append(vx)
+        k, v = keys.dual(layer, _cat(new_k), _cat(new_v))
+        if not queries:  # the last block at prefill: only its condition keys are needed
+            return x, c
+        y = attention(_cat(queries).to(k.dtype), k, v, mask=keys.dual_mask(cond_queries, x is not None))
+        if cond_queries:
+            c = self.post_2(c, merge_heads(y[:, :, : c.shape[1]]))
+        if x is not None:
+            x = self.post_1(x, merge_heads(y[:, :, y.shape[2] - x.shape[1]:]))
+        return x, c
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the sequence dim; a single part is returned as it is (no copy: a
+    decode step has only the shape stream's, and it runs hundreds of small ops)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
 class SingleAttention(nn.Module):
@@ -142,16 +180,86 @@ class SingleAttention(nn.Module):
 
 
 class SingleBlock(nn.Module):
+    """Self-attention over the shape stream alone, then x += c_proj(y); x += SwiGLU(LN(x))."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.eps = cfg.eps
         self.attn = SingleAttention(cfg)
         self.mlp = SwiGLU(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Residual updates after attention: x += c_proj(y); x += SwiGLU(LN(x))."""
-        x = x + linear(self.attn.c_proj, y)
+    def forward(self, x: torch.Tensor, keys: "Keys", layer: int) -> torch.Tensor:
+        h = layer_norm(x, self.eps)
+        if keys.single_block_mode == "reference":
+            # The reference's cached decode lets every query see position 0 (BOS) alone: the
+            # softmax over one key is 1, so attention returns BOS's value. A cache past
+            # position 0 on every row holds it already; otherwise it is computed.
+            y = keys.bos_value(layer)
+            if y is None:
+                y = keys.keep_bos_value(layer, self.attn.value(h))
+        else:
+            q, k, v = self.attn.qkv(h, keys.rot)
+            k, v = keys.single(layer, k, v)
+            y = attention(q.to(k.dtype), k, v, mask=keys.single_mask)
+        x = x + linear(self.attn.c_proj, merge_heads(y))
         return x + self.mlp(layer_norm(x, self.eps))
+
+
+class Keys(Protocol):
+    """What the queries of one forward call attend to: the call's own keys (the uncached
+    forward, `FullSequence`), or a cache that stores them and returns what it holds (the
+    engine's condition prefill and decode steps, `cubeserve.engine.cache`).
+
+    Keys are stored after RoPE, in the dtype attention runs in."""
+
+    single_block_mode: SingleBlockMode
+    rot: torch.Tensor | None  # RoPE rotations of the shape positions, [L, hd/2] or [B, L, hd/2]
+    single_mask: torch.Tensor | None  # single blocks' mask (causal mode), None when none is needed
+
+    def dual(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take dual layer `layer`'s new keys/values [B, H, T, hd]; return all those the queries see."""
+
+    def dual_mask(self, cond_queries: bool, shape_queries: bool) -> torch.Tensor | None:
+        """The dual layers' mask for queries [condition ; shape] (those present)."""
+
+    def single(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `dual`, for single layer `layer` (causal mode)."""
+
+    def bos_value(self, layer: int) -> torch.Tensor | None:
+        """Reference mode: every row's BOS value of single layer `layer` when already known."""
+
+    def keep_bos_value(self, layer: int, v: torch.Tensor) -> torch.Tensor:
+        """Reference mode: the attention output of single layer `layer`, given its new values."""
+
+
+class FullSequence:
+    """`Keys` of the uncached forward: one joint attention over [cond ; shape] with the plain
+    lower-triangular mask, as the reference's uncached mode; nothing is kept."""
+
+    def __init__(self, cond_len: int, length: int, rot: torch.Tensor, dtype: torch.dtype,
+                 single_block_mode: SingleBlockMode):
+        dev = rot.device
+        self.cond_len, self.length, self.dtype = cond_len, length, dtype
+        self.single_block_mode = single_block_mode
+        self.rot = rot
+        self.joint_mask = torch.ones(cond_len + length, cond_len + length, dtype=torch.bool, device=dev).tril()
+        self.single_mask = self.joint_mask[cond_len:, cond_len:]
+
+    def dual(self, layer, k, v):
+        return k.to(self.dtype), v.to(self.dtype)
+
+    def dual_mask(self, cond_queries, shape_queries):
+        first = 0 if cond_queries else self.cond_len
+        last = self.cond_len + (self.length if shape_queries else 0)
+        return self.joint_mask[first:last]
+
+    single = dual
+
+    def bos_value(self, layer):
+        return None
+
+    def keep_bos_value(self, layer, v):
+        return v[:, :, :1].to(self.dtype).expand(-1, -1, self.length, -1)
 
 
 class Transformer(nn.Module):
@@ -162,6 +270,16 @@ class Transformer(nn.Module):
             DualBlock(cfg, last=(i == cfg.n_layer - 1)) for i in range(cfg.n_layer)
         )
         self.single_blocks = nn.ModuleList(SingleBlock(cfg) for _ in range(cfg.n_single_layer))
+
+    def forward(self, x: torch.Tensor | None, c: torch.Tensor | None, keys: Keys) -> torch.Tensor | None:
+        """The shape stream after every block (None when only the condition stream ran)."""
+        for layer, block in enumerate(self.dual_blocks):
+            x, c = block(x, c, keys, layer)
+        if x is None:
+            return None
+        for layer, block in enumerate(self.single_blocks):
+            x = block(x, keys, layer)
+        return x
 
 
 class DualStreamGPT(nn.Module):
@@ -175,8 +293,6 @@ class DualStreamGPT(nn.Module):
         self.transformer = Transformer(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self._rope_cache: dict = {}
-
-    # -- pieces shared by the uncached forward and the cached engine --------------------------
 
     def rope(self, positions: torch.Tensor) -> torch.Tensor:
         """RoPE rotations (complex64, `apply_rope`) gathered at integer `positions` (any shape)."""
@@ -209,7 +325,7 @@ class DualStreamGPT(nn.Module):
         emb = linear(self.shape_proj, codebook.float()).float()
         self.transformer.wte.weight[: emb.shape[0]] = emb.to(self.transformer.wte.weight.dtype)
 
-    # -- the uncached reference forward ---------------------------------------------------------
+    # -- the three ways to run the blocks: whole sequences, condition prefill, cached steps ----
 
     @torch.no_grad()
     def forward_uncached(self, *args, **kwargs) -> torch.Tensor:
@@ -226,43 +342,23 @@ class DualStreamGPT(nn.Module):
         """Logits [B, L, vocab] for every shape position, recomputing everything (also the
         training forward: teacher forcing over a whole sequence).
 
-        One joint attention over [cond ; shape] with the plain lower-triangular mask, as the
-        reference's uncached mode. `single_block_mode="reference"` gives the single block the
-        mask the reference's cached decode ends up with (every query sees slot 0 only).
+        `single_block_mode="reference"` gives the single block what the reference's cached
+        decode ends up with (every query sees position 0 only).
         """
-        cfg = self.cfg
-        dt = compute_dtype or self.lm_head.weight.dtype
-        x, c = shape_embeds.float(), cond.float()
-        s, L = c.shape[1], x.shape[1]
-        dev = x.device
-        rot_x = self.rope(torch.arange(L, device=dev))
-        rot_c = self.rope(torch.zeros(s, dtype=torch.long, device=dev))
-        joint_mask = torch.ones(s + L, s + L, dtype=torch.bool, device=dev).tril()
+        x = shape_embeds.float()
+        keys = FullSequence(cond.shape[1], x.shape[1], self.rope(torch.arange(x.shape[1], device=x.device)),
+                            compute_dtype or self.lm_head.weight.dtype, single_block_mode)
+        return self.logits(self.transformer(x, cond.float(), keys))
 
-        for block in self.transformer.dual_blocks:
-            qx, kx, vx = block.attn.pre_x(layer_norm(x, cfg.eps), rot_x)
-            qc, kc, vc = block.attn.pre_c(layer_norm(c, cfg.eps), rot_c)
-            k = torch.cat([kc, kx], dim=2).to(dt)
-            v = torch.cat([vc, vx], dim=2).to(dt)
-            if block.last:
-                y = attention(qx.to(dt), k, v, mask=joint_mask[s:])
-                x = block.post_1(x, merge_heads(y))
-            else:
-                q = torch.cat([qc, qx], dim=2).to(dt)
-                y = attention(q, k, v, mask=joint_mask)
-                c = block.post_2(c, merge_heads(y[:, :, :s]))
-                x = block.post_1(x, merge_heads(y[:, :, s:]))
+    def prefill(self, cond: torch.Tensor, cache: Keys) -> None:
+        """Run the condition stream alone (it never sees shape tokens), leaving every dual
+        layer's condition keys and values in `cache`."""
+        self.transformer(None, cond.float(), cache)
 
-        if single_block_mode == "causal":
-            single_mask = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
-        else:
-            single_mask = torch.zeros(L, L, dtype=torch.bool, device=dev)
-            single_mask[:, 0] = True
-        for block in self.transformer.single_blocks:
-            q, k, v = block.attn.qkv(layer_norm(x, cfg.eps), rot_x)
-            y = attention(q.to(dt), k.to(dt), v.to(dt), mask=single_mask)
-            x = block.update(x, merge_heads(y))
-        return self.logits(x)
+    def decode(self, x: torch.Tensor, cache: Keys) -> torch.Tensor:
+        """One shape token per row: x [R, D] (fp32 embeddings) -> logits [R, vocab], attending
+        to what `cache` holds (the condition keys, the row's earlier tokens)."""
+        return self.logits(self.transformer(x.float()[:, None, :], None, cache))[:, 0]
 
 
 def decode_modules(gpt: DualStreamGPT) -> list[nn.Module]:

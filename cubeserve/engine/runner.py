@@ -1,0 +1,217 @@
+"""The decode runner: objects in flight as KV-cache slots that requests join and leave between
+steps, one step's device work, and that step captured as CUDA graphs and replayed.
+
+One slot is one object and owns two adjacent cache rows, 2s (conditional) and 2s + 1
+(unconditional), so the rows of slots 0..k-1 are one contiguous range and guidance is a view.
+Each row has its own position: a request admitted mid-generation starts at BOS while the
+others go on (continuous batching). A step runs rows 0..2k-1, where k is one past the highest
+busy slot; admission fills the lowest free slots so k stays small.
+
+Everything a step needs lives in device tensors (inputs, positions, which slots are busy,
+sampling parameters, tokens), so a step is a fixed sequence of kernels with no host sync. On
+the CPU it runs eagerly and trims the work to what the host knows is live. With graph buckets
+(CUDA) a step launches hundreds of small kernels whose launch cost exceeds the GPU time at small
+batches: it is captured once per (slot bucket, cache-length bucket) at start-up and replayed,
+one launch that never waits for the host. Batches are padded to the next slot bucket (padding
+slots are free, so their results are discarded on the device), and attention reads only the
+first S + L cache slots, L the next cache-length bucket above the longest live sequence. All
+graphs share one memory pool: they never run concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cubeserve.config import ModelConfig
+from cubeserve.engine.cache import KVCache, prefill_condition
+from cubeserve.engine.requests import GenerationRequest
+from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
+from cubeserve.model.gpt import DualStreamGPT, SingleBlockMode
+
+log = logging.getLogger(__name__)
+
+CondKV = list[tuple[torch.Tensor, torch.Tensor]]  # per dual layer: condition keys, values [B, H, S, hd]
+Condition = Callable[[list[str], list], torch.Tensor]  # prompts, boxes -> condition tokens [B, S, D]
+
+
+@dataclass
+class StepOutput:
+    finished: list[int]  # slots whose N tokens are complete (still holding their tokens)
+    guided_logits: torch.Tensor | None  # [k, codes] of this step, when asked for (eager only)
+
+
+class DecodeRunner:
+    def __init__(self, cfg: ModelConfig, gpt: DualStreamGPT, condition: Condition, uncond_kv: CondKV,
+                 max_objects: int, device: torch.device, dtype: torch.dtype, single_block_mode: SingleBlockMode,
+                 graph_buckets: tuple[int, ...] | None = None, length_buckets: int = 4, capture: bool = True):
+        """`condition`: CLIP and text_proj for admitted prompts; `uncond_kv`: the unconditional
+        prefix's prefill, shared by every slot. `graph_buckets`: pad steps to these slot buckets
+        and `length_buckets` cache lengths, captured as CUDA graphs; `capture=False` replays the
+        very same bucketed, padded, masked step eagerly: what the graphs compute, runnable (and
+        tested) on a machine without CUDA."""
+        self.gpt = gpt
+        self.condition = condition
+        self.uncond_kv = uncond_kv
+        self.dtype = dtype
+        self.max_objects = max_objects
+        self.num_tokens = n = cfg.num_tokens
+        self.codes = cfg.gpt.shape_model_vocab_size
+        rows = 2 * max_objects
+        self.cache = KVCache(cfg, rows=rows, device=device, dtype=dtype, single_block_mode=single_block_mode)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.x = torch.zeros(rows, cfg.gpt.n_embd, dtype=torch.float32, device=device)  # next inputs
+        self.tokens = torch.zeros(max_objects, n, dtype=torch.int64, device=device)
+        self.busy = torch.zeros(max_objects, dtype=torch.bool, device=device)
+        self.scale = torch.zeros(max_objects, dtype=torch.float32, device=device)
+        self.greedy = torch.ones(max_objects, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(max_objects, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(max_objects, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(max_objects, dtype=torch.int64, device=device)
+        # Host mirrors: tokens generated so far per slot (None = free) and who samples.
+        self.generated: list[int | None] = [None] * max_objects
+        self._samples: list[bool] = [False] * max_objects
+        with torch.no_grad():  # a BOS with grad would chain every admission into one autograd graph
+            self._bos = gpt.embed_tokens(torch.tensor([cfg.gpt.bos_id], device=device))[0]
+        self.slot_buckets: list[int] | None = None
+        self.length_buckets: list[int] = []
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        if graph_buckets is not None:
+            self.slot_buckets = sorted({b for b in graph_buckets if b < max_objects} | {max_objects})
+            self.length_buckets = sorted({math.ceil(n * (i + 1) / length_buckets) for i in range(length_buckets)})
+            if capture:
+                if device.type != "cuda":
+                    raise ValueError("CUDA graphs need a CUDA device; the CPU runs the same step eagerly")
+                self.capture_seconds = self._capture(device)
+
+    # -- slots ----------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [s for s, g in enumerate(self.generated) if g is None]
+
+    @property
+    def busy_slots(self) -> list[int]:
+        return [s for s, g in enumerate(self.generated) if g is not None]
+
+    @torch.no_grad()  # slot state must carry no autograd history: one chain per admission grows forever
+    def admit(self, requests: list[GenerationRequest]) -> list[int]:
+        """Prefill `requests` (already validated) into the lowest free slots; returns the slots."""
+        free = self.free_slots
+        if len(requests) > len(free):
+            raise RuntimeError(f"{len(requests)} requests but only {len(free)} free slots")
+        slots = free[: len(requests)]
+        cond = self.condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
+        cond_kv = prefill_condition(self.gpt, cond, self.dtype)
+        for i, (s, r) in enumerate(zip(slots, requests)):
+            self.cache.set_condition(slice(2 * s, 2 * s + 1), [(k[i: i + 1], v[i: i + 1]) for k, v in cond_kv])
+            self.cache.set_condition(slice(2 * s + 1, 2 * s + 2), self.uncond_kv)
+            self.positions[2 * s: 2 * s + 2] = 0
+            self.x[2 * s: 2 * s + 2] = self._bos
+            self.scale[s] = r.guidance_scale
+            self.greedy[s] = r.greedy
+            self.temperature[s] = r.temperature or 1.0
+            self.top_p[s] = r.top_p if r.top_p is not None else 1.0
+            self.seed[s] = r.seed
+            self.busy[s] = True
+            self.generated[s] = 0
+            self._samples[s] = not r.greedy
+        return slots
+
+    def release(self, slot: int) -> None:
+        self.busy[slot] = False
+        self.generated[slot] = None
+        self._samples[slot] = False
+
+    # -- one step for every busy slot ------------------------------------------------------------
+
+    # Inference mode rather than no_grad: tensors made here carry no version counters or view
+    # tracking, which a step of hundreds of small ops feels (BENCHMARKS.md).
+    @torch.inference_mode()
+    def compute(self, k: int, live: int, uniform: bool, any_sampling: bool = True) -> torch.Tensor:
+        """The device work of one step for slots 0..k-1, with no host synchronisation:
+        decode, guidance, sampling, token write, next embeddings, positions. Free slots in the
+        range compute garbage that is kept out of tokens and positions. Returns guided logits."""
+        rows = 2 * k
+        positions = self.positions[:rows]
+        step_keys = self.cache.step(rows, positions, self.gpt.rope(positions[:, None]), live, uniform)
+        logits = self.gpt.decode(self.x[:rows], step_keys)
+        pair = logits[:, : self.codes].view(k, 2, self.codes)
+        step = self.positions[0:rows:2]
+        guided = apply_guidance(pair[:, 0], pair[:, 1], guidance_weights(self.scale[:k], step, self.num_tokens))
+        ids = sample(guided, self.greedy[:k], self.temperature[:k], self.top_p[:k], self.seed[:k], step,
+                     any_sampling=any_sampling)
+        busy = self.busy[:k]
+        slot_ids = torch.arange(k, device=ids.device)
+        self.tokens[slot_ids, step] = torch.where(busy, ids, self.tokens[slot_ids, step])
+        # Both rows of a slot take the token (views, not repeat_interleave: nothing to size).
+        self.x[:rows] = self.gpt.embed_tokens(ids[:, None].expand(k, 2).reshape(rows))
+        advance = busy & (step < self.num_tokens - 1)
+        self.positions[:rows] += advance[:, None].expand(k, 2).reshape(rows).long()
+        return guided
+
+    @torch.no_grad()
+    def step(self, return_logits: bool = False) -> StepOutput:
+        busy = self.busy_slots
+        if not busy:
+            return StepOutput([], None)
+        k = busy[-1] + 1
+        progress = [self.generated[s] for s in range(k)]
+        live = max(g for g in progress if g is not None) + 1
+        guided = None
+        if self.slot_buckets is not None and not return_logits:
+            self._replay(k, live)
+        else:
+            uniform = all(g == progress[0] for g in progress)  # no free slot inside, same position
+            guided = self.compute(k, live, uniform, any_sampling=any(self._samples[:k]))
+        finished = []
+        for s in busy:
+            self.generated[s] += 1
+            if self.generated[s] == self.num_tokens:
+                finished.append(s)
+        return StepOutput(finished, guided if return_logits else None)
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    def bucket(self, k: int, live: int) -> tuple[int, int]:
+        return (next(b for b in self.slot_buckets if b >= k), next(n for n in self.length_buckets if n >= live))
+
+    def _replay(self, k: int, live: int) -> None:
+        key = self.bucket(k, live)
+        if self.graphs:
+            self.graphs[key].replay()
+        else:
+            self.compute(*key, uniform=False)
+
+    def _capture(self, device: torch.device) -> float:
+        if self.busy_slots:
+            raise RuntimeError("capture before admitting requests: warm-up steps overwrite slot state")
+        keys = [(k, length) for k in self.slot_buckets for length in self.length_buckets]
+        start = time.perf_counter()
+        # Warm up on a side stream (lazy initialisation, kernel selection, allocator), as
+        # torch.cuda.graph requires. No slot is busy, so tokens and positions stay untouched.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for k, length in keys:
+                for _ in range(2):
+                    self.compute(k, length, uniform=False)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        memory = torch.cuda.graph_pool_handle()
+        for k, length in sorted(keys, reverse=True):  # largest first: the others fit in its memory
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory):
+                self.compute(k, length, uniform=False)
+            self.graphs[(k, length)] = graph
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        log.info("captured %d decode graphs (slots %s x cache lengths %s) in %.1f s",
+                 len(self.graphs), self.slot_buckets, self.length_buckets, seconds)
+        return seconds
