@@ -8,6 +8,10 @@
 * Core kinds: the Kubernetes JSON schemas of `kubernetes-validate`, strict (no unknown fields).
 * `crd_errors`: the published KServe CRDs (OpenAPI v3), made strict (`require_crds`), those of
   every KServe release the manifests support (`MIN_KSERVE`, `KSERVE_RELEASES`).
+* Gateway API HTTPRoute (k8s/overlays/ab): the HTTPRoute CRD's OpenAPI v3 schema of each Gateway
+  API release in GATEWAY_API_RELEASES (standard channel, tests/data/gateway-api/, extracted from
+  the release tags by extract.py there), made strict, plus the CEL rules of that CRD that the
+  manifests come near (jsonschema does not run CEL): `gateway_api_errors`.
 
 Used by test_k8s.py (the rendered overlays) and test_rollout.py (what the rollout tool patches).
 """
@@ -55,7 +59,7 @@ def _load_kserve_models():
 kserve_models = _load_kserve_models()
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ("canary", "raw", "ab", "cpu")
+OVERLAYS = ("canary", "raw", "ab", "cpu", "experiment")
 # Reference data beside the repository (not part of it): KServe's CRDs as published (the newest,
 # at the top) and as tagged in each release (by-release/vX.Y.Z/). Tests reach them through
 # `require_crds`, which skips without them, or fails under CI.
@@ -63,14 +67,12 @@ KSERVE_CRDS = REPO.parent / "shared" / "kserve-crds"
 KSERVE_CRDS_BY_RELEASE = KSERVE_CRDS / "by-release"
 
 # The KServe releases the manifests support (README, "Compatibility"), and the oldest one each
-# overlay needs. canary (Serverless), raw and cpu: everything they use is in v0.14.0. ab: the
-# InferenceGraph's routerTimeouts first appear in v0.16.0, and without them the router cuts every
-# request at 60 s (cmd/router/main.go at v0.14.0 and v0.15.0: an http.Server with a fixed
-# WriteTimeout of time.Minute; v0.16.0 reads it from spec.routerTimeouts), so an A/B graph on an
-# older KServe would cut generations. spec.canary[] (RawDeployment canaries, which `cubeserve
-# rollout` adds) needs v0.20.0; no overlay carries it.
+# overlay needs: everything the overlays use is in v0.14.0. (The A/B overlay's InferenceGraph
+# needed v0.16.0 for routerTimeouts; its HTTPRoute is Gateway API's, GATEWAY_API_RELEASES below.)
+# spec.canary[] (RawDeployment canaries, which `cubeserve rollout` adds) needs v0.20.0; no overlay
+# carries it.
 SUPPORTED_KSERVE = ("v0.14.0", "v0.20.0")  # oldest, newest
-MIN_KSERVE = {"canary": "v0.14.0", "raw": "v0.14.0", "cpu": "v0.14.0", "ab": "v0.16.0"}
+MIN_KSERVE = {"canary": "v0.14.0", "raw": "v0.14.0", "cpu": "v0.14.0", "ab": "v0.14.0", "experiment": "v0.14.0"}
 
 
 def kserve_version(release: str) -> tuple[int, ...]:
@@ -92,6 +94,15 @@ def supported_releases(minimum: str = SUPPORTED_KSERVE[0]) -> list[str]:
 
 def releases_before(minimum: str) -> list[str]:
     return [r for r in KSERVE_RELEASES if kserve_version(r) < kserve_version(minimum)]
+
+# Gateway API (the cross-pod A/B overlay's HTTPRoute), standard channel: the oldest release that
+# has everything the route uses (HTTPRouteRule.timeouts became standard in v1.2.0; without it the
+# implementation's default request timeout, often seconds, cuts generations) and the newest
+# checked. GATEWAY_API_TOO_OLD is shown to refuse it.
+GATEWAY_API_RELEASES = ("v1.2.0", "v1.6.1")
+GATEWAY_API_TOO_OLD = "v1.1.0"
+GATEWAY_API_DATA = REPO / "tests" / "data" / "gateway-api"
+HTTPROUTE = ("gateway.networking.k8s.io/v1", "HTTPRoute")
 
 KUBERNETES_VERSION = "1.30"  # the oldest API the manifests are meant for
 
@@ -146,6 +157,8 @@ def validate(obj: dict) -> list[str]:
     """Every error found in one object (an empty list: valid)."""
     key = (obj.get("apiVersion"), obj.get("kind"))
     body = {k: v for k, v in obj.items() if k != "status"}  # status is the controller's
+    if key == HTTPROUTE:
+        return gateway_api_errors(obj, GATEWAY_API_RELEASES[-1])
     if key in KSERVE_KINDS:
         errors: list[str] = []
         _walk(body, KSERVE_KINDS[key], obj.get("kind", "?"), errors)
@@ -381,6 +394,65 @@ def crd_errors(obj: dict, schemas: dict) -> list[str]:
     validator = jsonschema.Draft4Validator(schema)
     return [f"{obj['kind']} {'.'.join(str(p) for p in e.absolute_path)}: {e.message}"
             for e in validator.iter_errors(body)]
+
+
+# -- Gateway API --------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def gateway_api_schema(release: str) -> dict:
+    """The strict HTTPRoute v1 schema of a Gateway API release (standard channel)."""
+    import json
+
+    body = json.loads((GATEWAY_API_DATA / f"httproute-{release}.json").read_text())
+    schema = body["openAPIV3Schema"]
+    _close(schema)
+    return schema
+
+
+# HTTPRouteFilter: `type` names the one field that configures it (the CRD's CEL rules "filter.<x>
+# must be nil if the filter.type is not <X>" and "... must be specified for <X> filter.type").
+_FILTER_FIELDS = {"RequestHeaderModifier": "requestHeaderModifier", "ResponseHeaderModifier": "responseHeaderModifier",
+                  "RequestMirror": "requestMirror", "RequestRedirect": "requestRedirect", "URLRewrite": "urlRewrite",
+                  "ExtensionRef": "extensionRef", "CORS": "cors", "ExternalAuth": "externalAuth"}
+
+
+def _duration_s(text: str) -> float:
+    """A Gateway API Duration (GEP-2257: e.g. 600s, 10m, 1h30m, 500ms) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+)(ms|h|m|s)", text))
+
+
+def _httproute_cel_rules(obj: dict) -> list[str]:
+    errors = []
+    for i, rule in enumerate((obj.get("spec") or {}).get("rules") or []):
+        lists = [(f"rules[{i}].filters", rule.get("filters") or [])]
+        lists += [(f"rules[{i}].backendRefs[{j}].filters", b.get("filters") or [])
+                  for j, b in enumerate(rule.get("backendRefs") or [])]
+        for where, filters in lists:
+            types = [f.get("type") for f in filters]
+            for kind in ("RequestHeaderModifier", "ResponseHeaderModifier"):
+                if types.count(kind) > 1:
+                    errors.append(f"HTTPRoute {where}: {kind} filter cannot be repeated")
+            for k, f in enumerate(filters):
+                configured = {field for field in _FILTER_FIELDS.values() if field in f}
+                if configured != {_FILTER_FIELDS.get(f.get("type"), "?")}:
+                    errors.append(f"HTTPRoute {where}[{k}]: filter type {f.get('type')!r} must be configured by "
+                                  f"{_FILTER_FIELDS.get(f.get('type'))!r} alone, got {sorted(configured)}")
+        timeouts = rule.get("timeouts") or {}
+        if "request" in timeouts and "backendRequest" in timeouts \
+                and _duration_s(timeouts["backendRequest"]) > _duration_s(timeouts["request"]) > 0:
+            errors.append(f"HTTPRoute rules[{i}].timeouts: backendRequest must be <= request timeout")
+    return errors
+
+
+def gateway_api_errors(obj: dict, release: str) -> list[str]:
+    """An HTTPRoute's errors for a Gateway API release: its CRD's schema (strict) and CEL rules."""
+    import jsonschema
+
+    body = {k: v for k, v in obj.items() if k != "status"}
+    validator = jsonschema.Draft4Validator(gateway_api_schema(release))
+    errors = [f"HTTPRoute {'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(body)]
+    return errors + _httproute_cel_rules(obj)
 
 
 def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:

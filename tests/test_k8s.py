@@ -7,7 +7,6 @@ import copy
 import json
 import re
 import shlex
-from urllib.parse import urlparse
 
 import kubernetes_validate
 import pytest
@@ -15,13 +14,14 @@ import yaml
 
 from cubeserve import deploy
 from cubeserve.rollout import VersionRegistry
-from k8s_validation import (KUBERNETES_VERSION, MIN_KSERVE, OVERLAYS, REPO, SUPPORTED_KSERVE,
-                            crd_errors, dockerfile_instructions, find, kserve_version, releases_before, render,
-                            require_crds, require_releases, supported_releases, validate)
+from k8s_validation import (GATEWAY_API_RELEASES, GATEWAY_API_TOO_OLD, KUBERNETES_VERSION, MIN_KSERVE, OVERLAYS, REPO,
+                            SUPPORTED_KSERVE, crd_errors, dockerfile_instructions, find, gateway_api_errors,
+                            kserve_version, releases_before, render, require_crds, require_releases,
+                            supported_releases, validate)
 
 GPU = "nvidia.com/gpu"
 MODE = "serving.kserve.io/deploymentMode"
-RAW_OVERLAYS = ("raw", "cpu", "ab")  # k8s/components/raw-deployment
+RAW_OVERLAYS = ("raw", "cpu", "ab", "experiment")  # k8s/components/raw-deployment
 # Fields of predictor.model that KServe consumes itself; the rest is the container.
 KSERVE_MODEL_FIELDS = {"modelFormat", "runtime", "runtimeVersion", "protocolVersion", "storageUri", "storage"}
 
@@ -98,7 +98,8 @@ def test_every_overlay_renders_to_valid_objects(overlay):
     expected = {"canary": ["ConfigMap", "InferenceService", "ServingRuntime"],
                 "raw": ["ConfigMap", "InferenceService", "ServingRuntime"],
                 "cpu": ["ConfigMap", "InferenceService", "ServingRuntime"],
-                "ab": ["ConfigMap", "InferenceGraph", "InferenceService", "InferenceService", "ServingRuntime"]}
+                "ab": ["ConfigMap", "HTTPRoute", "InferenceService", "InferenceService", "ServingRuntime"],
+                "experiment": ["ConfigMap", "InferenceService", "ServingRuntime"]}
     assert kinds == expected[name]
     for obj in objects:
         assert validate(obj) == [], f"{name}: {obj['kind']} {obj['metadata']['name']}"
@@ -168,8 +169,6 @@ def test_the_releases_before_an_overlays_minimum_refuse_it(overlay):
         schemas = require_crds(release)
         errors = [e for obj in objects for e in crd_errors(obj, schemas)]
         assert errors, f"{name}: KServe {release} accepts it; its minimum {MIN_KSERVE[name]} is too high"
-    if name == "ab":  # what it needs: the graph's routerTimeouts (without them generations are cut at 60 s)
-        assert any("routerTimeouts" in e for e in errors), errors
 
 
 def test_the_kserve_package_knows_the_raw_deployment_canary():
@@ -197,7 +196,7 @@ def test_the_validator_rejects_misspelled_and_invalid_fields(where, mutate):
     assert validate(obj), f"{where}: not rejected"
 
 
-def test_the_validator_rejects_bad_runtimes_graphs_and_core_objects():
+def test_the_validator_rejects_bad_runtimes_routes_and_core_objects():
     objects = render("ab")
     runtime = find(objects, "ServingRuntime")
     runtime["spec"]["containers"][0]["ports"][0]["containerPort"] = "8000"
@@ -205,12 +204,25 @@ def test_the_validator_rejects_bad_runtimes_graphs_and_core_objects():
     runtime = find(objects, "ServingRuntime")
     runtime["spec"]["supportedModelFormat"] = runtime["spec"].pop("supportedModelFormats")
     assert any("did you mean 'supportedModelFormats'" in e for e in validate(runtime))
-    graph = find(objects, "InferenceGraph")
-    graph["spec"]["nodes"]["root"]["steps"][0]["wieght"] = 5
-    assert validate(graph)
-    graph = find(objects, "InferenceGraph")
-    graph["spec"]["nodes"]["root"]["steps"][0]["weight"] = 70  # 70 + 20
-    assert any("add up to 90" in e for e in validate(graph))
+    route = find(render("ab"), "HTTPRoute")
+    route["spec"]["rules"][2]["backendRefs"][0]["wieght"] = 5
+    assert any("'wieght' was unexpected" in e for e in validate(route))
+    route = find(render("ab"), "HTTPRoute")
+    route["spec"]["rules"][2]["backendRefs"][0]["weight"] = "80"
+    assert any("'80' is not of type 'integer'" in e for e in validate(route))
+    route = find(render("ab"), "HTTPRoute")
+    route["spec"]["rules"][0]["timeouts"]["request"] = "ten minutes"
+    assert any("timeouts.request" in e for e in validate(route))
+    route = find(render("ab"), "HTTPRoute")  # the CRD's CEL rules, checked by hand
+    route["spec"]["rules"][2]["backendRefs"][0]["filters"][0]["type"] = "RequestHeaderModifier"
+    assert any("must be configured by 'requestHeaderModifier'" in e for e in validate(route))
+    route = find(render("ab"), "HTTPRoute")
+    filters = route["spec"]["rules"][2]["backendRefs"][0]["filters"]
+    filters.append(copy.deepcopy(filters[0]))
+    assert any("ResponseHeaderModifier filter cannot be repeated" in e for e in validate(route))
+    route = find(render("ab"), "HTTPRoute")
+    route["spec"]["rules"][2]["timeouts"]["backendRequest"] = "20m"
+    assert any("backendRequest must be <= request" in e for e in validate(route))
     configmap = find(objects, "ConfigMap")
     configmap["dat"] = configmap.pop("data")
     assert validate(configmap)
@@ -327,7 +339,7 @@ def test_the_raw_deployment_component_is_the_only_place_of_the_mode():
     """The raw overlays take the mode from the component, not from patches of their own."""
     for name in RAW_OVERLAYS:
         kustomization = yaml.safe_load((REPO / "k8s" / "overlays" / name / "kustomization.yaml").read_text())
-        assert kustomization["components"] == ["../../components/raw-deployment"]
+        assert kustomization["components"][0] == "../../components/raw-deployment"
         assert MODE.replace("/", "~1") not in json.dumps(kustomization.get("patches", []))
 
 
@@ -380,15 +392,84 @@ def test_triton_models_layout_is_what_the_runtime_and_graph_expect():
         assert (repo / model / "1" / "model.py").is_file()
     predict = (repo / deploy.PREDICT_MODEL / "config.pbtxt").read_text()
     assert re.search(rf'key: "engine_model" value: {{ string_value: "{deploy.STREAM_MODEL}" }}', predict)
-    # The A/B router calls each arm's predict endpoint of the `cube3d` model on port 80 of its Service.
-    graph = find(render("ab"), "InferenceGraph")
-    arms = sorted(i["metadata"]["name"] for i in isvcs(render("ab")))
-    hosts = []
-    for step in graph["spec"]["nodes"]["root"]["steps"]:
-        url = urlparse(step["serviceUrl"])
-        assert url.path == f"/v2/models/{deploy.PREDICT_MODEL}/infer" and url.port is None
-        hosts.append(url.hostname)
-    assert hosts == [f"{arm}-predictor" for arm in arms]
+
+
+# -- the cross-pod A/B route (k8s/overlays/ab) ----------------------------------------------------------
+
+def test_the_ab_route_pins_splits_and_names_the_arm():
+    """Each arm's predictor Service (KServe: <isvc>-predictor, port 80) behind one HTTPRoute: a
+    header-matched rule per arm (a match with a header outranks one without), one weighted rule
+    for the rest adding up to 100, the arm named in a response header by every backend, and the
+    request timeout of cubeserve.deploy on every rule."""
+    from cubeserve.rollout import plans
+
+    objects = render("ab")
+    route = find(render("ab"), "HTTPRoute")
+    arms = {i["metadata"]["name"].rsplit("-", 1)[1]: f"{i['metadata']['name']}-predictor" for i in isvcs(objects)}
+    assert arms == {"a": "cube3d-a-predictor", "b": "cube3d-b-predictor"}
+    rules = route["spec"]["rules"]
+    pinned = {}
+    for rule in rules:
+        assert rule["timeouts"] == {"request": f"{deploy.REQUEST_TIMEOUT_S}s"}
+        for backend in rule["backendRefs"]:
+            assert backend["port"] == 80 and backend.get("kind", "Service") == "Service"
+            assert backend["name"] == arms[plans.backend_arm(backend)]
+        if "matches" in rule:
+            [match] = rule["matches"]
+            assert set(match) == {"headers"}
+            [header] = match["headers"]
+            assert (header["type"], header["name"]) == ("Exact", plans.ARM_HEADER)
+            [backend] = rule["backendRefs"]
+            assert plans.backend_arm(backend) == header["value"]
+            pinned[header["value"]] = backend["name"]
+    assert pinned == arms
+    weighted = rules[plans.weighted_rule(route)]
+    assert "matches" not in weighted  # every request that pins no arm
+    assert sorted(plans.backend_arm(b) for b in weighted["backendRefs"]) == sorted(arms)
+    assert sum(b["weight"] for b in weighted["backendRefs"]) == 100
+    [parent] = route["spec"]["parentRefs"]
+    assert (parent["kind"], parent["name"], parent["namespace"]) == ("Gateway", "kserve-ingress-gateway", "kserve")
+
+
+def test_the_ab_route_is_valid_for_every_gateway_api_release_claimed_and_needs_them():
+    route = find(render("ab"), "HTTPRoute")
+    for release in GATEWAY_API_RELEASES:
+        assert gateway_api_errors(route, release) == [], release
+    # The release before the minimum has no rule timeouts: it would refuse (prune) them.
+    errors = gateway_api_errors(route, GATEWAY_API_TOO_OLD)
+    assert errors and all("'timeouts' was unexpected" in e for e in errors), errors
+
+
+# -- the in-server experiment (k8s/components/experiment) ------------------------------------------------
+
+def test_the_experiment_overlay_mounts_the_experiment_where_the_server_reads_it():
+    """The env var the predict model reads names experiment.json of the ConfigMap that `cubeserve
+    rollout ab` writes, mounted whole (a subPath mount is never refreshed) and optional (pods start
+    without it); no overlay declares the ConfigMap (its one writer is the rollout tool)."""
+    import posixpath
+
+    from cubeserve.rollout import experiments
+    from cubeserve.rollout.version_sets import served_versions
+    from cubeserve.serving.experiment import EXPERIMENT_FILE_ENV
+
+    objects = render("experiment")
+    isvc = find(objects, "InferenceService")
+    pod = kserve_pod(isvc, find(objects, "ServingRuntime"))
+    [container] = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1"  # the runtime's env is kept (merged by name)
+    path = env[EXPERIMENT_FILE_ENV]
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == posixpath.dirname(path)]
+    assert "subPath" not in mount and mount["readOnly"] is True
+    assert posixpath.basename(path) == experiments.EXPERIMENT_KEY
+    [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["configMap"] == {"name": experiments.EXPERIMENT_CONFIGMAP, "optional": True}
+    # The pod loads a version set: the versions an experiment may name.
+    assert served_versions(isvc["spec"]["predictor"]["model"]["storageUri"], registry(objects)) == {1, 2}
+    for name in OVERLAYS:
+        assert not [o for o in render(name) if o["metadata"]["name"] == experiments.EXPERIMENT_CONFIGMAP], name
+        if name != "experiment":  # one version per pod: no experiment file
+            assert EXPERIMENT_FILE_ENV not in json.dumps(render(name)), name
 
 
 def test_local_server_and_client_defaults_are_the_deploy_modules():
@@ -453,9 +534,16 @@ def test_storage_uris_are_registry_versions_and_placeholders(overlay):
     name, objects = overlay
     reg = registry(objects)
     assert "replace-me" in reg.base_uri
+    from cubeserve.rollout.version_sets import served_versions
+
     for isvc in isvcs(objects):
         uri = isvc["spec"]["predictor"]["model"].get("storageUri")
-        assert uri is None if name == "cpu" else reg.version_of(uri), uri  # cpu: the model in the image
+        if name == "cpu":  # the model in the image
+            assert uri is None
+        elif name == "experiment":  # several versions (k8s/components/experiment)
+            assert served_versions(uri, reg) == {1, 2}, uri
+        else:
+            assert reg.version_of(uri), uri
 
 
 def test_overlays_carry_no_rollout_owned_fields(overlay):

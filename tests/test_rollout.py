@@ -11,6 +11,7 @@ import argparse
 import copy
 import io
 import json
+import re
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -19,7 +20,7 @@ import yaml
 from cubeserve import rollout as r
 from cubeserve.rollout import cli, plans
 from cubeserve.rollout.preflight import ClusterFacts, check
-from k8s_validation import KSERVE_CRDS_BY_RELEASE, crd_errors, find, render, require_crds, require_releases, supported_releases, validate
+from k8s_validation import GATEWAY_API_RELEASES, KSERVE_CRDS_BY_RELEASE, crd_errors, find, gateway_api_errors, render, require_crds, require_releases, supported_releases, validate
 from kserve_standin import ApiError, KServeController, ObjectStore
 
 BASE = "s3://replace-me-model-bucket/cube3d"
@@ -415,41 +416,55 @@ def test_the_registry_comes_from_its_configmap():
         r.VersionRegistry.from_configmap({"data": {"baseUri": BASE, "versions": "1 v_2"}})
 
 
-# -- A/B on the InferenceGraph --------------------------------------------------------------------------
+# -- the cross-pod A/B overlay's HTTPRoute -------------------------------------------------------------
 
-def graph() -> dict:
-    ab = find(render("ab"), "InferenceGraph")
+def route() -> dict:
+    ab = find(render("ab"), "HTTPRoute")
     ab["metadata"].update(namespace="models", resourceVersion="300")
     return ab
 
 
-def test_ab_weights():
-    ab = graph()
-    plan = r.plan_ab(ab, r.parse_weights("A=50,B=50"))
-    assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.nodes.root.steps"}
-    assert plan.changes == ("spec.nodes.root.steps[0].weight: 80 -> 50", "spec.nodes.root.steps[1].weight: 20 -> 50")
+def weighted_backends(obj: dict) -> list[tuple[str, int]]:
+    rules = obj["spec"]["rules"]
+    return [(b["name"], b["weight"]) for b in rules[plans.weighted_rule(obj)]["backendRefs"]]
+
+
+def test_route_weights():
+    ab = route()
+    plan = r.plan_route_weights(ab, r.parse_weights("A=50,B=50"))
+    assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.rules"}
+    assert plan.changes == ("spec.rules[2].backendRefs[0].weight: 80 -> 50", "spec.rules[2].backendRefs[1].weight: 20 -> 50")
     after = ObjectStore(ab)
     after.update(plan.patch | {"metadata": {}}, r.FIELD_MANAGER)
     after = after.get()
-    assert validate(after) == []
-    steps = after["spec"]["nodes"]["root"]["steps"]
-    assert [(s["name"], s["weight"]) for s in steps] == [("a", 50), ("b", 50)]
-    assert [s["serviceUrl"] for s in steps] == [s["serviceUrl"] for s in ab["spec"]["nodes"]["root"]["steps"]]
-    assert not r.plan_ab(after, {"a": 50, "b": 50}).changed
-    assert r.plan_ab(after, r.parse_weights("b=100,a=0")).changed
+    for release in GATEWAY_API_RELEASES:
+        assert gateway_api_errors(after, release) == [], release
+    assert weighted_backends(after) == [("cube3d-a-predictor", 50), ("cube3d-b-predictor", 50)]
+    # The pinned rules and every other field are as they were.
+    assert after["spec"]["rules"][:2] == ab["spec"]["rules"][:2]
+    assert {k: v for k, v in after["spec"].items() if k != "rules"} == {k: v for k, v in ab["spec"].items() if k != "rules"}
+    assert not r.plan_route_weights(after, {"a": 50, "b": 50}).changed
+    assert r.plan_route_weights(after, r.parse_weights("b=100,a=0")).changed
 
 
 @pytest.mark.parametrize("weights, message", [
-    ("a=80,b=30", "add up to 100"), ("a=100", "missing: b"), ("a=80,c=20", "no step named c"),
+    ("a=80,b=30", "add up to 100"), ("a=100", "missing: b"), ("a=80,c=20", "no arm named c"),
     ("a=80,b=-20", "from 0 to 100"), ("a=x,b=20", "must be an integer"), ("a=50,a=50", "twice"),
     ("a:80", "NAME=WEIGHT"),
 ])
-def test_bad_ab_weights_are_refused(weights, message):
-    ab = graph()
+def test_bad_route_weights_are_refused(weights, message):
+    ab = route()
     before = copy.deepcopy(ab)
     with pytest.raises(r.RolloutError, match=message):
-        r.plan_ab(ab, r.parse_weights(weights))
+        r.plan_route_weights(ab, r.parse_weights(weights))
     assert ab == before
+
+
+def test_a_route_without_arm_headers_is_refused():
+    ab = route()
+    ab["spec"]["rules"][2]["backendRefs"][1].pop("filters")
+    with pytest.raises(r.RolloutError, match="distinct x-cube3d-arm"):
+        r.plan_route_weights(ab, {"a": 50, "b": 50})
 
 
 def test_merge_patch_is_rfc_7386():
@@ -483,13 +498,14 @@ class FakeCluster:
         self.world, self.namespace, self.patches = world, "models", []
         self.lag_gets, self.pods_after_gets, self.pending, self.gets = lag_gets, pods_after_gets, None, 0
         self.release, self.gateway_api, self.objects = release, gateway_api, {}
+        self.configmaps, self.applied = {}, []
         self.lagged_generations_matched = False
 
     def __call__(self, namespace=None, context=None):
         return self
 
     def get(self, api, name):
-        if api == r.GRAPH_API:
+        if api == r.HTTPROUTE_API:
             return copy.deepcopy(self.objects[name])
         self.gets += 1
         if self.pending is not None:
@@ -505,7 +521,7 @@ class FakeCluster:
         return self.world.isvc
 
     def patch(self, api, name, patch):
-        if api == r.GRAPH_API:
+        if api == r.HTTPROUTE_API:
             store = ObjectStore(self.objects[name])
             store.obj["metadata"]["resourceVersion"] = self.objects[name]["metadata"]["resourceVersion"]
             self.objects[name] = store.update(patch, r.FIELD_MANAGER)
@@ -524,6 +540,23 @@ class FakeCluster:
 
     def registry(self, name):
         return REGISTRY
+
+    def configmap(self, name):
+        return copy.deepcopy(self.configmaps.get(name))
+
+    def apply_configmap(self, body):
+        """Server-side apply, as far as one manager of one key goes: create or merge, with the
+        resourceVersion precondition."""
+        name = body["metadata"]["name"]
+        current = self.configmaps.get(name)
+        expected = body["metadata"].get("resourceVersion")
+        if expected is not None and (current is None or current["metadata"]["resourceVersion"] != expected):
+            raise ApiException(409, "Conflict")
+        stored = r.merge_patch(current or {}, body)
+        stored["metadata"]["resourceVersion"] = str(int((current or {"metadata": {"resourceVersion": "0"}})["metadata"]["resourceVersion"]) + 1)
+        self.configmaps[name] = stored
+        self.applied.append(body)
+        return stored
 
     def revisions(self, isvc):
         return {k: v for k, v in self.world.kserve.revision_uris().items()}
@@ -624,14 +657,109 @@ def test_cli_waits_for_readiness_and_reports_conflicts(monkeypatch, capsys):
     assert code == 1 and "run it again" in capsys.readouterr().err
 
 
-def test_cli_ab(monkeypatch, capsys):
+def test_cli_ab_route_weights(monkeypatch, capsys):
     cluster = FakeCluster(World("raw"))
-    cluster.objects["cube3d-ab"] = graph()
-    code, out = run(cluster, monkeypatch, "ab", "--weights", "A=60,B=40")
+    cluster.objects["cube3d-ab"] = route()
+    code, out = run(cluster, monkeypatch, "ab", "--httproute", "cube3d-ab", "--weights", "A=60,B=40")
     assert code == 0 and "weights a=80,b=20 -> a=60,b=40" in out
-    assert [s["weight"] for s in cluster.objects["cube3d-ab"]["spec"]["nodes"]["root"]["steps"]] == [60, 40]
-    code, _ = run(cluster, monkeypatch, "ab", "--weights", "A=60,B=60")
+    assert weighted_backends(cluster.objects["cube3d-ab"]) == [("cube3d-a-predictor", 60), ("cube3d-b-predictor", 40)]
+    code, _ = run(cluster, monkeypatch, "ab", "--httproute", "cube3d-ab", "--weights", "A=60,B=60")
     assert code == 2 and "add up to 100" in capsys.readouterr().err and len(cluster.patches) == 1
+    code, _ = run(cluster, monkeypatch, "ab", "--weights", "a=50,b=50")
+    assert code == 2 and "--httproute" in capsys.readouterr().err and len(cluster.patches) == 1
+    code, out = run(cluster, monkeypatch, "status", "--httproute", "cube3d-ab")
+    assert code == 0 and "HTTPRoute models/cube3d-ab: a=60% (cube3d-a-predictor), b=40% (cube3d-b-predictor)" in out
+
+
+def experiment_world() -> FakeCluster:
+    """The experiment overlay's InferenceService: its pods load the version set 1-2."""
+    return FakeCluster(World("experiment"))
+
+
+def written(cluster: FakeCluster):
+    from cubeserve.serving.experiment import parse
+
+    return parse(cluster.configmaps["cube3d-experiment"]["data"]["experiment.json"])
+
+
+def test_cli_ab_sets_the_in_server_experiment(monkeypatch):
+    from cubeserve.serving.experiment import Arm, Shadow
+
+    cluster = experiment_world()
+    code, out = run(cluster, monkeypatch, "ab", "--set", "control=1:90,candidate=2:10", "--name", "decoder-v2",
+                    "--dry-run")
+    assert code == 0 and "dry run" in out and cluster.applied == []
+    code, out = run(cluster, monkeypatch, "ab", "--set", "control=1:90,candidate=2:10", "--name", "decoder-v2")
+    assert code == 0, out
+    assert out.splitlines()[0] == ("ConfigMap cube3d-experiment (new): experiment 'decoder-v2': "
+                                   "arms control=version 1 (90%), candidate=version 2 (10%)")
+    [body] = cluster.applied
+    assert (body["apiVersion"], body["kind"], body["metadata"]["name"], body["metadata"]["namespace"]) == \
+        ("v1", "ConfigMap", "cube3d-experiment", "models")
+    assert set(body["data"]) == {"experiment.json"}
+    exp = written(cluster)
+    assert exp.arms == (Arm("control", 1, 90), Arm("candidate", 2, 10)) and exp.shadow is None
+    # The same user gets the same arm from the written experiment (what every pod computes).
+    assert {exp.arm_for("user-17").name for _ in range(5)} == {exp.arm_for("user-17").name}
+
+    # More traffic to the candidate, same experiment: the name (and so the salt) is kept, and
+    # users already in the candidate stay there.
+    in_candidate = [u for u in (f"user-{i}" for i in range(400)) if exp.arm_for(u).name == "candidate"]
+    code, out = run(cluster, monkeypatch, "ab", "--set", "control=1:50,candidate=2:50", "--shadow", "2:0.25")
+    assert code == 0, out
+    exp = written(cluster)
+    assert exp.name == "decoder-v2" and exp.shadow == Shadow(2, 0.25)
+    assert in_candidate and all(exp.arm_for(u).name == "candidate" for u in in_candidate)
+    assert cluster.applied[-1]["metadata"]["resourceVersion"] == "1"  # a precondition on what was read
+    code, out = run(cluster, monkeypatch, "ab", "--set", "control=1:50,candidate=2:50", "--shadow", "2:0.25")
+    assert code == 0 and "nothing to change" in out and len(cluster.applied) == 2
+
+    code, out = run(cluster, monkeypatch, "status")
+    assert "ConfigMap cube3d-experiment: experiment 'decoder-v2': arms control=version 1 (50%), candidate=version 2 " \
+           "(50%); shadow version 2 on 25% of requests (at most 4 in flight)" in out
+
+    code, out = run(cluster, monkeypatch, "ab", "--clear")
+    assert code == 0 and written(cluster) is None
+    assert cluster.configmaps["cube3d-experiment"]["data"]["experiment.json"] == ""
+    assert "cube3d-experiment: no experiment" in run(cluster, monkeypatch, "status")[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "control=1:90,candidate=2:10"], "--name: a new experiment needs a name"),
+    (["--set", "control=1,candidate=2", "--name", "x"], "NAME=VERSION:WEIGHT"),
+    (["--set", "control=1:ninety", "--name", "x"], "the weight of arm 'control' must be a number"),
+    (["--set", "control=one:90", "--name", "x"], "--set: the version must be an integer >= 1"),
+    (["--set", "control=1:-5", "--name", "x"], r"experiment.arms\[0\].weight: must be a number in \[0, 1e\+06\]"),
+    (["--set", "a=1:0,b=2:0", "--name", "x"], "the weights must not all be 0"),
+    (["--set", "a=1:50,a=2:50", "--name", "x"], "arm names must be unique"),
+    (["--set", "shadow=1:50", "--name", "x"], "other than 'shadow'"),
+    (["--shadow", "2:1.5", "--name", "x"], r"experiment.shadow.share: must be a number in \[0, 1\]"),
+    (["--shadow", "2", "--name", "x"], "VERSION:SHARE"),
+    (["--shadow", "2:0.5:0", "--name", "x"], r"max_in_flight: must be an integer in \[1, 1024\]"),
+    (["--name", "x"], "give --set"),
+    (["--clear", "--shadow", "2:0.5"], "--clear takes no --shadow"),
+    (["--set", "a=1:50,b=7:50", "--name", "x"], "version 7 is not in the registry"),
+    (["--set", "a=1:50,b=3:50", "--name", "x"], "loads versions 1, 2 only; the experiment also needs 3"),
+])
+def test_cli_ab_refuses_bad_experiments_naming_the_field(monkeypatch, capsys, argv, message):
+    cluster = experiment_world()
+    code, out = run(cluster, monkeypatch, "ab", *argv)
+    err = capsys.readouterr().err
+    assert code == 2 and out == "" and err.startswith("refused: ")
+    assert re.search(message, err), err
+    assert cluster.applied == []
+
+
+def test_cli_ab_refuses_versions_a_single_version_service_does_not_load(monkeypatch, capsys):
+    cluster = FakeCluster(World("raw"))  # storageUri <base>/1/: version 1 only
+    code, _ = run(cluster, monkeypatch, "ab", "--set", "a=1:50,b=2:50", "--name", "x")
+    assert code == 2 and "loads versions 1 only" in capsys.readouterr().err and cluster.applied == []
+    code, _ = run(cluster, monkeypatch, "ab", "--set", "a=1:50,b=2:50", "--name", "x", "--skip-preflight")
+    assert code == 0 and len(cluster.applied) == 1
+    # A hand-written ConfigMap the server would refuse is shown as such, not hidden.
+    cluster.configmaps["cube3d-experiment"]["data"]["experiment.json"] = '{"name": "x", "arms": "a"}'
+    code, out = run(cluster, monkeypatch, "status")
+    assert "cube3d-experiment: INVALID:" in out
 
 
 def test_cubeserve_cli_has_rollout(monkeypatch):
@@ -725,7 +853,11 @@ class StubApiServer:
                         return self._error(exc.status, exc.reason, exc.message)
                     stub.world.kserve.reconcile()
                     return self._send(200, stub.world.isvc)
-                current = stub.objects[url.path]
+                current = stub.objects.get(url.path)
+                if current is None and self.headers["Content-Type"] == "application/apply-patch+yaml":
+                    current = {"metadata": {"resourceVersion": "0"}}  # server-side apply creates it
+                elif current is None:
+                    return self._error(404, "NotFound")
                 if body.get("metadata", {}).get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
                     return self._error(409, "Conflict")
                 stored = json_merge_patch(current, body)
@@ -800,6 +932,35 @@ def test_cluster_client_over_http(tmp_path, monkeypatch):
         stub.close()
 
 
+EXPERIMENT_PATH = "/api/v1/namespaces/models/configmaps/cube3d-experiment"
+
+
+def test_the_experiment_is_written_by_server_side_apply_over_http(tmp_path, monkeypatch):
+    from cubeserve.serving.experiment import parse
+
+    world = World("experiment")
+    stub = StubApiServer(world)
+    try:
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "ab", "--set", "control=1:90,candidate=2:10",
+                                  "--name", "decoder-v2", "--shadow", "2:0.1")
+        assert code == 0, out
+        [(method, path, content_type, body, query)] = [q for q in stub.requests if q[0] == "PATCH"]
+        assert (path, content_type) == (EXPERIMENT_PATH, "application/apply-patch+yaml")
+        assert query["fieldManager"] == ["cubeserve-rollout"] and query["fieldValidation"] == ["Strict"]
+        assert "resourceVersion" not in body["metadata"]  # created: nothing to hold it to
+        exp = parse(stub.objects[EXPERIMENT_PATH]["data"]["experiment.json"])
+        assert [(a.name, a.version, a.weight) for a in exp.arms] == [("control", 1, 90), ("candidate", 2, 10)]
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "status")
+        assert code == 0 and "cube3d-experiment: experiment 'decoder-v2': arms control=version 1 (90%)" in out
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "ab", "--clear")
+        assert code == 0, out
+        body = stub.patches(EXPERIMENT_PATH)[-1]
+        assert body["metadata"]["resourceVersion"] == "1" and body["data"] == {"experiment.json": ""}
+        assert parse(stub.objects[EXPERIMENT_PATH]["data"]["experiment.json"]) is None
+    finally:
+        stub.close()
+
+
 def test_a_field_the_cluster_does_not_know_is_refused_never_pruned(tmp_path, monkeypatch, capsys):
     world = World("raw")
     stub = StubApiServer(world, release="v0.19.0")
@@ -816,3 +977,44 @@ def test_a_field_the_cluster_does_not_know_is_refused_never_pruned(tmp_path, mon
         assert world.isvc["spec"] == before["spec"]
     finally:
         stub.close()
+
+
+# -- version sets: one repository, several versions (for an experiment's pod) ----------------------------
+
+def test_a_version_set_holds_every_version_and_serves_exactly_them(tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
+    from cubeserve.rollout.version_sets import build_version_set, publish_version_set, served_versions, set_uri
+    from cubeserve.serving.repository import build_version_repository
+
+    store = tmp_path / "store"
+    registry = r.VersionRegistry(f"file://{store}", ("1", "2", "3"))
+    for v in (1, 3):  # as the pipeline's package step writes them: <baseUri>/<V>/
+        weights = tmp_path / f"weights-{v}"
+        weights.mkdir()
+        (weights / "shape_gpt.safetensors").write_text(f"weights of version {v}")
+        build_version_repository(weights, v, store / str(v), "cpu")
+    uri = publish_version_set(registry, ["3", "1"])
+    assert uri == set_uri(registry, [1, 3]) == f"file://{store}/sets/1-3/"
+    assert served_versions(uri, registry) == {1, 3}
+    served = store / "sets" / "1-3"
+    for model in (PREDICT_MODEL, STREAM_MODEL):
+        config = text_format.Parse((served / model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        assert list(config.version_policy.specific.versions) == [1, 3]  # Triton loads both
+        assert sorted(p.name for p in (served / model).iterdir() if p.is_dir()) == ["1", "3"]
+    for v in (1, 3):
+        assert (served / STREAM_MODEL / str(v) / "weights" / "shape_gpt.safetensors").read_text() == f"weights of version {v}"
+    # What a pod cannot load, and what is not a set.
+    with pytest.raises(r.RolloutError, match="unknown version '7'"):
+        publish_version_set(registry, [1, 7])
+    with pytest.raises(r.RolloutError, match="two or more different versions"):
+        set_uri(registry, [1, 1])
+    with pytest.raises(r.RolloutError, match="integers >= 1"):
+        set_uri(registry, ["1", "a"])
+    with pytest.raises(FileExistsError):
+        build_version_set({1: store / "1", 3: store / "3"}, served)
+    assert served_versions(f"file://{store}/sets/1-9/", registry) is None  # 9 is not a registry version
+    assert served_versions(f"file://{store}/2/", registry) == {2}
+    assert served_versions("gs://elsewhere/1/", registry) is None

@@ -9,9 +9,10 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable
 
-from cubeserve.rollout.cluster import DEFAULT_GRAPH, DEFAULT_ISVC, GRAPH_API, Cluster, Rollout
+from cubeserve.rollout import experiments
+from cubeserve.rollout.cluster import DEFAULT_ISVC, HTTPROUTE_API, ISVC_API, Cluster, Rollout
 from cubeserve.rollout.errors import NotReady, RolloutError
-from cubeserve.rollout.plans import Plan, parse_weights, plan_ab
+from cubeserve.rollout.plans import Plan, backend_arm, parse_weights, plan_route_weights, weighted_rule
 from cubeserve.rollout.state import STABLE, get, rollout_state
 from cubeserve.rollout.versions import VERSIONS_CONFIGMAP
 
@@ -51,21 +52,59 @@ def _status(rollout: Rollout, args, out) -> int:
         print(f"  DRIFT: {line}", file=out)
     print(f"  registry {args.versions_configmap}: {registry.base_uri}/<version>/, versions "
           f"{' '.join(registry.versions) or '(none)'}", file=out)
-    if args.graph:
-        graph = rollout.cluster.get(GRAPH_API, args.graph)
-        steps = get(graph, "spec", "nodes", "root", "steps", default=[]) or []
-        print(f"InferenceGraph {rollout.cluster.namespace}/{args.graph}: " +
-              ", ".join(f"{s.get('name')}={s.get('weight')}% ({s.get('serviceUrl') or s.get('serviceName')})"
-                        for s in steps), file=out)
+    try:
+        line = experiments.describe(experiments.read(rollout.cluster.configmap(args.experiment_configmap)))
+    except RolloutError as exc:  # a ConfigMap written by hand: show it, the server refuses it too
+        line = f"INVALID: {exc}"
+    print(f"ConfigMap {args.experiment_configmap}: {line}", file=out)
+    if args.httproute:
+        route = rollout.cluster.get(HTTPROUTE_API, args.httproute)
+        backends = get(route, "spec", "rules", default=[])[weighted_rule(route)]["backendRefs"]
+        print(f"HTTPRoute {rollout.cluster.namespace}/{args.httproute}: " +
+              ", ".join(f"{backend_arm(b)}={b.get('weight', 1)}% ({b.get('name')})" for b in backends), file=out)
     return DRIFT if state.drift else DONE
 
 
 def _ab(cluster, args, out) -> int:
-    graph = cluster.get(GRAPH_API, args.graph)
-    plan = plan_ab(graph, parse_weights(args.weights))
+    if args.weights is not None and not args.httproute:
+        raise RolloutError("--weights: name the cross-pod A/B route with --httproute NAME")
+    if args.httproute and args.weights is None:
+        raise RolloutError("--httproute: give its --weights (the in-server experiment takes --set / --shadow)")
+    if (args.clear or args.weights is not None) and (args.shadow or args.name or args.salt):
+        raise RolloutError(f"{'--clear' if args.clear else '--weights'} takes no --shadow, --name or --salt")
+    if args.weights is not None:  # the cross-pod overlay: the HTTPRoute's split
+        route = cluster.get(HTTPROUTE_API, args.httproute)
+        plan = plan_route_weights(route, parse_weights(args.weights))
+        if plan.changed and not args.dry_run:
+            cluster.patch(HTTPROUTE_API, args.httproute, plan.patch)
+        _print_plan(plan, [], out, args.dry_run)
+        return DONE
+    # The in-server experiment: the ConfigMap every pod of the InferenceService reads.
+    configmap = cluster.configmap(args.experiment_configmap)
+    registry = cluster.registry(args.versions_configmap)
+    if args.clear:
+        exp = None
+    else:
+        exp = experiments.build(args.name, args.set, args.shadow, args.salt, current=experiments.read(configmap))
+    isvc = None if args.skip_preflight or exp is None else cluster.get(ISVC_API, args.isvc)
+    plan = experiments.plan_experiment(configmap, exp, registry, isvc, cluster.namespace, args.experiment_configmap)
     if plan.changed and not args.dry_run:
-        cluster.patch(GRAPH_API, args.graph, plan.patch)
-    _print_plan(plan, [], out, args.dry_run)
+        cluster.apply_configmap(plan.patch)
+    _print_plan(plan, ["the pods read it within about a minute (the kubelet's ConfigMap refresh)"]
+                if plan.changed else [], out, args.dry_run)
+    return DONE
+
+
+def _version_set(cluster, args, out) -> int:
+    from cubeserve.rollout.version_sets import publish_version_set, set_uri
+
+    registry = cluster.registry(args.versions_configmap)
+    versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+    uri = set_uri(registry, versions)
+    if args.dry_run:
+        print(f"would write versions {', '.join(versions)} to {uri}\ndry run: nothing was changed", file=out)
+        return DONE
+    print(publish_version_set(registry, versions), file=out)
     return DONE
 
 
@@ -103,6 +142,8 @@ def run_rollout(args, out=None) -> int:
         cluster = cluster_factory(namespace=args.namespace, context=args.context)
         if args.rollout_command == "ab":
             return _ab(cluster, args, out)
+        if args.rollout_command == "version-set":
+            return _version_set(cluster, args, out)
         rollout = Rollout(cluster, args.isvc, args.versions_configmap, None if args.mode == "auto" else args.mode,
                           args.kserve_namespace, not getattr(args, "skip_preflight", False))
         if args.rollout_command == "status":
@@ -203,6 +244,8 @@ def add_rollout_parser(subparsers) -> argparse.ArgumentParser:
                         help="deployment mode (default: from the InferenceService)")
     common.add_argument("--kserve-namespace", default="kserve",
                         help="namespace of KServe's inferenceservice-config (default: %(default)s)")
+    common.add_argument("--experiment-configmap", default=experiments.EXPERIMENT_CONFIGMAP,
+                        help="ConfigMap holding the in-server experiment (default: %(default)s)")
     changing = argparse.ArgumentParser(add_help=False)
     changing.add_argument("--dry-run", action="store_true", help="print the change, do not patch")
     changing.add_argument("--skip-preflight", action="store_true",
@@ -214,7 +257,7 @@ def add_rollout_parser(subparsers) -> argparse.ArgumentParser:
                     "Version V is the model repository at <baseUri>/<V>/ of the ConfigMap cube3d-versions.")
     sub = p.add_subparsers(dest="rollout_command", required=True)
     s = sub.add_parser("status", parents=[common], help="stable version, canary, traffic, drift")
-    s.add_argument("--graph", help="also show this InferenceGraph's weights")
+    s.add_argument("--httproute", help="also show this HTTPRoute's A/B weights (k8s/overlays/ab)")
     s.add_argument("--json", action="store_true", help="the rollout state as JSON")
     c = sub.add_parser("canary", parents=[common, changing], help="start a canary, or change its share")
     c.add_argument("--version", required=True, help="checkpoint version to roll out")
@@ -225,9 +268,28 @@ def add_rollout_parser(subparsers) -> argparse.ArgumentParser:
         a.add_argument("--wait", type=float, default=0, metavar="SECONDS",
                        help="wait up to this long for KServe to make the new revision ready")
         a.add_argument("--force", action="store_true", help="do not check readiness")
-    ab = sub.add_parser("ab", parents=[common, changing], help="set the A/B weights of the InferenceGraph")
-    ab.add_argument("--weights", required=True, help="step weights adding up to 100, e.g. a=80,b=20")
-    ab.add_argument("--graph", default=DEFAULT_GRAPH, help="InferenceGraph name (default: %(default)s)")
+    ab = sub.add_parser(
+        "ab", parents=[common, changing], help="set the in-server A/B experiment and shadow, or the A/B route's weights",
+        description="In-server experiment (sticky per user, every pod of --isvc): --set and/or --shadow, "
+                    "or --clear; written to the ConfigMap --experiment-configmap. Cross-pod A/B "
+                    "(k8s/overlays/ab): --weights with --httproute.")
+    what = ab.add_mutually_exclusive_group()
+    what.add_argument("--set", metavar="ARMS", help="the arms, NAME=VERSION:WEIGHT, e.g. control=1:90,candidate=2:10")
+    what.add_argument("--clear", action="store_true", help="end the experiment (arms and shadow)")
+    what.add_argument("--weights", help="the HTTPRoute's split by arm, adding up to 100, e.g. a=80,b=20 "
+                                        "(needs --httproute)")
+    ab.add_argument("--shadow", metavar="VERSION:SHARE[:MAX]",
+                    help="also copy SHARE (0..1) of the requests to VERSION, never answered from it, e.g. 3:0.25")
+    ab.add_argument("--name", help="the experiment's name (default: the running experiment's; salts the users' hash)")
+    ab.add_argument("--salt", help="the users' hash salt (default: the name); a new salt reshuffles users")
+    ab.add_argument("--httproute", help="the cross-pod A/B overlay's HTTPRoute (for --weights)")
+    v = sub.add_parser("version-set", parents=[common, changing],
+                       help="write the model repository of several versions (for an in-server experiment)",
+                       description="Download versions V1, V2, ... from the registry's store, write them as one "
+                                   "Triton model repository at <baseUri>/sets/<V1>-<V2>-.../ and print that URI: "
+                                   "the storageUri of an InferenceService whose pods load them all. Uses the "
+                                   "storage credentials of the environment (AWS_ACCESS_KEY_ID, S3_ENDPOINT, ...).")
+    v.add_argument("--versions", required=True, help="two or more registry versions, e.g. 1,2")
     _add_analyze_parser(sub)
     p.set_defaults(func=run_rollout)
     return p

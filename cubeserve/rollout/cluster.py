@@ -20,11 +20,12 @@ from cubeserve.rollout.versions import VERSIONS_CONFIGMAP, VersionRegistry
 
 GROUP = "serving.kserve.io"
 ISVC_API = ("v1beta1", "inferenceservices")
-GRAPH_API = ("v1alpha1", "inferencegraphs")
+# (version, plural, group): the Gateway API route of the cross-pod A/B overlay (k8s/overlays/ab).
+HTTPROUTE_API = ("v1", "httproutes", "gateway.networking.k8s.io")
 ISVC_CRD = "inferenceservices.serving.kserve.io"
 KSERVE_CONFIG = "inferenceservice-config"  # KServe's own ConfigMap, in its namespace
 DEFAULT_ISVC = "cube3d"
-DEFAULT_GRAPH = "cube3d-ab"
+DEFAULT_HTTPROUTE = "cube3d-ab"
 
 
 def _status(exc: Exception) -> int | None:
@@ -57,16 +58,41 @@ class Cluster:
         self.core = client.CoreV1Api()
         self.extensions = client.ApiextensionsV1Api()
 
-    def get(self, api: tuple[str, str], name: str) -> dict:
-        return self.custom.get_namespaced_custom_object(GROUP, api[0], self.namespace, api[1], name)
+    def get(self, api: tuple[str, ...], name: str) -> dict:
+        group = api[2] if len(api) > 2 else GROUP
+        return self.custom.get_namespaced_custom_object(group, api[0], self.namespace, api[1], name)
 
-    def patch(self, api: tuple[str, str], name: str, patch: dict) -> dict:
+    def patch(self, api: tuple[str, ...], name: str, patch: dict) -> dict:
         # A dict body is sent as application/merge-patch+json. The field manager records these
         # fields as cubeserve-rollout's (metadata.managedFields), so a server-side apply of an
         # overlay that would change them conflicts instead of moving traffic; strict validation
         # refuses a field the CRD does not know instead of dropping it.
-        return self.custom.patch_namespaced_custom_object(GROUP, api[0], self.namespace, api[1], name, patch,
+        group = api[2] if len(api) > 2 else GROUP
+        return self.custom.patch_namespaced_custom_object(group, api[0], self.namespace, api[1], name, patch,
                                                           field_manager=FIELD_MANAGER, field_validation="Strict")
+
+    def configmap(self, name: str) -> dict | None:
+        """A ConfigMap of the namespace as the API server returns it; None if there is none."""
+        try:
+            return self._raw_json_or_raise(self.core.read_namespaced_config_map, name, self.namespace)
+        except Exception as exc:  # noqa: BLE001 - the kubernetes client's ApiException
+            if _status(exc) == 404:
+                return None
+            raise
+
+    def apply_configmap(self, body: dict) -> dict:
+        """Server-side apply of a ConfigMap (created if missing) as cubeserve-rollout: the fields
+        in `body` become its own, a field another manager owns is a conflict (409), not taken
+        over. The client (v30) has no apply call, so the request is made by hand."""
+        return self.core.api_client.call_api(
+            "/api/v1/namespaces/{namespace}/configmaps/{name}", "PATCH",
+            {"namespace": self.namespace, "name": body["metadata"]["name"]},
+            [("fieldManager", FIELD_MANAGER), ("fieldValidation", "Strict")],
+            {"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
+            body=body, response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True)
+
+    def _raw_json_or_raise(self, call: Callable, *args) -> dict:
+        return json.loads(call(*args, _preload_content=False).data)
 
     def registry(self, name: str = VERSIONS_CONFIGMAP) -> VersionRegistry:
         return VersionRegistry.from_configmap(self.core.read_namespaced_config_map(name, self.namespace).to_dict())

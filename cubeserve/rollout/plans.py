@@ -199,7 +199,11 @@ def _require_ready(state: RolloutState, force: bool, action: str) -> None:
                    "or --force")
 
 
-# -- the A/B overlay's InferenceGraph -----------------------------------------------------------
+# -- the cross-pod A/B overlay's HTTPRoute (k8s/overlays/ab) ----------------------------------------
+
+# The response header the route adds per backend, naming the arm; it also names the backend here.
+ARM_HEADER = "x-cube3d-arm"
+
 
 def parse_weights(text: str) -> dict[str, int]:
     """`a=80,b=20` -> {"a": 80, "b": 20} (names lower-cased)."""
@@ -221,32 +225,54 @@ def parse_weights(text: str) -> dict[str, int]:
     return weights
 
 
-def plan_ab(graph: Mapping, weights: Mapping[str, int], node: str = "root") -> Plan:
-    """Set the weights of the Splitter node's steps, by step name (case-insensitive)."""
-    name = object_name(graph)
-    router = get(graph, "spec", "nodes", node)
-    if not router or router.get("routerType") != "Splitter":
-        raise RolloutError(f"InferenceGraph {name}: node {node!r} is not a Splitter")
-    steps = router.get("steps") or []
-    names = [str(s.get("name", "")).lower() for s in steps]
-    if "" in names:
-        raise RolloutError(f"InferenceGraph {name}: every step of {node!r} needs a name to be weighted")
+def backend_arm(backend: Mapping) -> str | None:
+    """The arm a backendRef serves: the value its ResponseHeaderModifier sets for ARM_HEADER."""
+    for f in backend.get("filters") or ():
+        for header in get(f, "responseHeaderModifier", "set", default=()) or ():
+            if str(header.get("name", "")).lower() == ARM_HEADER:
+                return str(header.get("value", "")).lower()
+    return None
+
+
+def weighted_rule(route: Mapping) -> int:
+    """The index of the route's rule that splits by weight: the one with more than one backend."""
+    rules = get(route, "spec", "rules", default=[]) or []
+    found = [i for i, rule in enumerate(rules) if len(rule.get("backendRefs") or ()) > 1]
+    if len(found) != 1:
+        raise RolloutError(f"HTTPRoute {object_name(route)}: expected one rule with several backendRefs "
+                           f"(the weighted split), found {len(found)}")
+    return found[0]
+
+
+def plan_route_weights(route: Mapping, weights: Mapping[str, int]) -> Plan:
+    """Set the weights of the weighted rule's backends, by arm (case-insensitive), as percentages
+    adding up to 100. Requests that pin an arm (header x-cube3d-arm) are not affected."""
+    name = object_name(route)
+    index = weighted_rule(route)
+    rules = copy.deepcopy(get(route, "spec", "rules"))
+    backends = rules[index]["backendRefs"]
+    arms = [backend_arm(b) for b in backends]
+    if None in arms or len(set(arms)) != len(arms):
+        raise RolloutError(f"HTTPRoute {name}: every backend of the weighted rule needs a ResponseHeaderModifier "
+                           f"setting a distinct {ARM_HEADER} (the arm's name)")
     weights = {k.lower(): v for k, v in weights.items()}
     for key, weight in weights.items():
         if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= 100:
             raise RolloutError(f"the weight of {key!r} must be an integer from 0 to 100, got {weight!r}")
-    unknown = sorted(set(weights) - set(names))
-    missing = [n for n in names if n not in weights]
+    unknown = sorted(set(weights) - set(arms))
+    missing = [a for a in arms if a not in weights]
     if unknown:
-        raise RolloutError(f"InferenceGraph {name}: no step named {', '.join(unknown)} (steps: {', '.join(names)})")
+        raise RolloutError(f"HTTPRoute {name}: no arm named {', '.join(unknown)} (arms: {', '.join(arms)})")
     if missing:
-        raise RolloutError(f"InferenceGraph {name}: give a weight to every step (missing: {', '.join(missing)})")
+        raise RolloutError(f"HTTPRoute {name}: give a weight to every arm (missing: {', '.join(missing)})")
     if sum(weights.values()) != 100:
         raise RolloutError(f"the weights must add up to 100, got {sum(weights.values())}")
-    before = ",".join(f"{n}={s.get('weight')}" for n, s in zip(names, steps))
-    after = ",".join(f"{n}={weights[n]}" for n in names)
+    # An absent weight is 1 (Gateway API's default).
+    before = ",".join(f"{a}={b.get('weight', 1)}" for a, b in zip(arms, backends))
+    after = ",".join(f"{a}={weights[a]}" for a in arms)
     if before == after:
-        return Plan(f"InferenceGraph {name}: weights already {after}: nothing to change")
-    new_steps = [dict(copy.deepcopy(s), weight=weights[n]) for n, s in zip(names, steps)]
-    return _plan(graph, f"InferenceGraph {name}: weights {before} -> {after}",
-                 {"spec": {"nodes": {node: {"steps": new_steps}}}})
+        return Plan(f"HTTPRoute {name}: weights already {after}: nothing to change")
+    for arm, backend in zip(arms, backends):
+        backend["weight"] = weights[arm]
+    # spec.rules is an atomic list: a merge patch replaces it whole, the other rules as they were.
+    return _plan(route, f"HTTPRoute {name}: weights {before} -> {after}", {"spec": {"rules": rules}})
