@@ -45,12 +45,11 @@ class ReadBandwidth:
         return self.buffer.numel() * 4 / timed(self.buffer.sum, self.device, repeat=repeat) / 1e9
 
 
-def time_steps(pool, steps: int) -> float:
-    device = pool.engine.device
+def time_steps(runner, steps: int, device: torch.device) -> float:
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        pool.step()
+        runner.step()
     sync(device)
     return (time.perf_counter() - t0) / steps
 
@@ -78,36 +77,36 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
     def requests(k):
         return [GenerationRequest(f"benchmark object {i}") for i in range(k)]
 
-    # Every pool first (capture, admission, first token), then timed rounds that visit every
-    # pool in turn, each visit right after a read-bandwidth measurement; round r covers the
-    # same positions in every pool. On a shared machine the bandwidth left to us drifts (a
+    # Every runner first (capture, admission, first token), then timed rounds that visit every
+    # runner in turn, each visit right after a read-bandwidth measurement; round r covers the
+    # same positions in every runner. On a shared machine the bandwidth left to us drifts (a
     # 2-core VM's read bandwidth measured anywhere from 29 to 58 GB/s within minutes): this
     # compares flights and modes under the same conditions and each step with the bandwidth
     # of its own moment.
     modes = [("graphs", True), ("eager cached", False)] if cuda else [("eager cached", False)]
-    pools, setup = {}, {}
+    runners, setup = {}, {}
     for mode, graphs in modes:
         for k in flights:
             t0 = time.perf_counter()
-            pool = engine.decode_runner(k, graph_buckets=(k,) if graphs else None, length_buckets=4)
+            runner = engine.decode_runner(k, graph_buckets=(k,) if graphs else None, length_buckets=4)
             capture = time.perf_counter() - t0
             sync(device)
             t0 = time.perf_counter()
-            pool.admit(requests(k))
-            pool.step()
+            runner.admit(requests(k))
+            runner.step()
             sync(device)
-            pools[(mode, k)] = pool
+            runners[(mode, k)] = runner
             setup[(mode, k)] = (capture if graphs else 0.0, time.perf_counter() - t0)
     rounds = 4
     steps = max(1, window // rounds)
-    timed_rounds = {key: [] for key in pools}  # (seconds per step, read GB/s, cache bytes per step) per round
+    timed_rounds = {key: [] for key in runners}  # (seconds per step, read GB/s, cache bytes per step) per round
     for _ in range(rounds):
-        for (mode, k), pool in pools.items():
-            first = pool.generated[0] + 1  # live positions at the round's first step
-            cache_bytes = statistics.mean(pool.cache.read_bytes(2 * k, live) for live in range(first, first + steps))
+        for (mode, k), runner in runners.items():
+            first = runner.generated[0] + 1  # live positions at the round's first step
+            cache_bytes = statistics.mean(runner.cache.read_bytes(2 * k, live) for live in range(first, first + steps))
             gbps = bandwidth()
-            timed_rounds[(mode, k)].append((time_steps(pool, steps), gbps, cache_bytes))
-    del pools, pool
+            timed_rounds[(mode, k)].append((time_steps(runner, steps, device), gbps, cache_bytes))
+    del runners, runner
 
     results = {}
     for (mode, k), measured in timed_rounds.items():
@@ -167,7 +166,7 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
 
     peak = (torch.cuda.max_memory_allocated(device) / 2**30 if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
-    if cuda:  # hand the caches' memory back before the next config builds its pools
+    if cuda:  # hand the caches' memory back before the next config builds its runners
         del engine, latents
         gc.collect()
         torch.cuda.empty_cache()
@@ -206,7 +205,7 @@ def run(config: str, device: torch.device, dtype: torch.dtype, flights=(1, 8, 32
         "|---|---|---|---|---|",
         *geo_rows,
         "",
-        f"Peak memory: {peak:.2f} GiB ({'CUDA allocated' if cuda else 'process RSS'}; the pools of every row "
+        f"Peak memory: {peak:.2f} GiB ({'CUDA allocated' if cuda else 'process RSS'}; the runners of every row "
         f"above are alive at once).",
     ]
     return records, lines

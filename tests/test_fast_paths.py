@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from cubeserve.checkpoint import init_random_models, load_models, parameter_counts, save_checkpoint
 from cubeserve.config import V0_1, get_config
 from cubeserve.engine import GenerationRequest as Req
+from cubeserve.engine.fast_paths import FusedLinear, StreamingLinear, fuse, pack_weight, product, stream
 from cubeserve.model.gpt import decode_modules
-from cubeserve.model.layers import FusedLinear, SwiGLU, fuse_linears, pack_linears, pack_weight, product
+from cubeserve.model.layers import SwiGLU
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 16, 300])
@@ -34,16 +35,16 @@ def test_pack_linears_packs_each_fused_group_once():
     mlp = SwiGLU(16, 32)
     x = torch.randn(8, 16)
     before = mlp(x)
-    mlp.fuse()
-    pack_linears(mlp)
-    assert mlp.fused_gate_up.packed_weight is not None and mlp.down_proj.packed_weight is not None
+    everything = {id(m) for m in mlp.modules()}
+    fuse(mlp, packed=everything)
+    stream(mlp, packed=everything)
+    assert mlp.gate_up.packed is not None and mlp.down_proj.packed is not None
     # The fused layers run as their group, so only the group holds a packed copy.
-    assert "packed_weight" not in vars(mlp.gate_proj) and "packed_weight" not in vars(mlp.up_proj)
+    assert mlp.gate_proj.packed is None and mlp.up_proj.packed is None
     assert torch.allclose(mlp(x), before, atol=1e-5)
     # Where there is no packed path (here: another dtype) nothing is packed.
     half = torch.nn.Linear(16, 16).to(torch.bfloat16)
-    pack_linears(half)
-    assert half.packed_weight is None
+    assert StreamingLinear(half, packed=True).packed is None
 
 
 def test_engine_packs_the_decode_step_weights_only(make_engine):
@@ -52,9 +53,9 @@ def test_engine_packs_the_decode_step_weights_only(make_engine):
     decode = {id(m) for root in decode_modules(gpt) for m in root.modules()}
     for m in gpt.modules():
         if isinstance(m, torch.nn.Linear) and id(m) not in decode:
-            assert "packed_weight" not in vars(m)  # the condition stream runs once per prompt
-    assert gpt.lm_head.packed_weight is not None
-    assert all(blk.post_1.mlp.fused_gate_up.packed_weight is not None for blk in gpt.transformer.dual_blocks)
+            assert getattr(m, "packed", None) is None  # the condition stream runs once per prompt
+    assert gpt.lm_head.packed is not None
+    assert all(blk.post_1.mlp.gate_up.packed is not None for blk in gpt.transformer.dual_blocks)
 
 
 def test_fused_linear_shares_memory_and_splits_outputs():
@@ -81,7 +82,7 @@ def test_fusing_keeps_names_outputs_and_checkpoints(tmp_path):
     shape = torch.randn(2, 5, cfg.gpt.n_embd)
     cond = torch.randn(2, 7, cfg.gpt.n_embd)
     before = gpt.forward_uncached(shape, cond, "causal")
-    fuse_linears(gpt)
+    fuse(gpt)
     assert {k: tuple(v.shape) for k, v in gpt.state_dict().items()} == names
     assert torch.allclose(gpt.forward_uncached(shape, cond, "causal"), before, atol=1e-5)
     # Fused parameters are views of one storage; the checkpoint writer still saves them.
@@ -126,7 +127,7 @@ def test_bfloat16_engine_on_the_cpu_runs_the_gpu_dtype_path(tiny_weights, make_e
 
     engine = Engine.from_dir(tiny_weights, device="cpu", dtype="bfloat16")
     assert engine.gpt.lm_head.weight.dtype == torch.bfloat16
-    assert engine.gpt.transformer.dual_blocks[0].attn.pre_x.fused_qkv.weight.dtype == torch.bfloat16
+    assert engine.gpt.transformer.dual_blocks[0].attn.pre_x.project.weight.dtype == torch.bfloat16
     reqs = [Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0)]
     eager = engine.generate_tokens(reqs)
     pool = engine.decode_runner(max_objects=4, graph_buckets=(1, 2, 4), length_buckets=4, capture=False)

@@ -19,13 +19,13 @@ import torch
 
 from cubeserve.checkpoint import CLIP_DIR, load_models
 from cubeserve.config import ModelConfig
-from cubeserve.engine import geometry
+from cubeserve.engine import fast_paths, geometry
 from cubeserve.engine.cache import prefill_condition
 from cubeserve.engine.requests import GenerationRequest
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
-from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT, decode_modules
-from cubeserve.model.layers import cast_linears, fuse_linears, pack_linears
+from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT
+from cubeserve.model.layers import cast_linears
 from cubeserve.model.text import TextEncoder
 from cubeserve.model.tokenizer import ShapeTokenizer
 
@@ -67,20 +67,15 @@ class Engine:
         self.device = torch.device(device)
         self.dtype = dtype
         self.single_block_mode = single_block_mode
+        # The engine owns the models it is given: it moves them, casts their Linear weights to the
+        # compute dtype once (the condition projections stay fp32, as the reference runs them
+        # outside autocast; norms and embeddings stay fp32) and swaps in its fast paths.
         self.gpt = gpt.to(self.device)
         self.tokenizer = tokenizer.to(self.device)
-        # Cast the Linear weights to the compute dtype once. The condition projections stay
-        # fp32, as the reference runs them outside autocast; norms and embeddings stay fp32.
         keep_fp32 = tuple(m for m in (gpt.text_proj, gpt.shape_proj, getattr(gpt, "bbox_proj", None)) if m is not None)
         cast_linears(self.gpt, dtype, skip=keep_fp32)
         cast_linears(self.tokenizer, dtype)
-        # Parallel projections (q/k with v, gate with up) become one product each. Like the
-        # cast, this changes the modules in place: the engine owns the models it is given.
-        fuse_linears(self.gpt)
-        # On the CPU the decode step's products from 4 rows (2 objects) up run on oneDNN-packed
-        # copies of their weights (`product`): batching's speed, for a second copy of them.
-        for module in decode_modules(self.gpt):
-            pack_linears(module)
+        fast_paths.apply(self.gpt, self.tokenizer)
         self.text = text
         # The unconditional prefix: CLIP("") (+ a zero box), prefilled once and shared.
         self.uncond_kv = prefill_condition(self.gpt, self.condition([""], [None]), self.dtype)

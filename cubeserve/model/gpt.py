@@ -17,8 +17,8 @@ from torch import nn
 
 from cubeserve.config import GPTConfig
 from cubeserve.model.layers import (
-    FusedLinear, RMSNorm, SwiGLU, apply_linears, apply_rope, attention, layer_norm, linear,
-    merge_heads, rope_tables, split_heads,
+    Parallel, RMSNorm, SwiGLU, apply_rope, attention, layer_norm, linear, merge_heads, rope_tables,
+    split_heads,
 )
 
 SingleBlockMode = Literal["reference", "causal"]
@@ -35,7 +35,7 @@ def normed_query_key(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, n_head:
     where every op's fixed cost outweighs its arithmetic. Same formulas as `RMSNorm` and
     `apply_rope`, with the same cast to the product's dtype in between.
     """
-    # Contiguous first: on the CPU qk is often a transposed view (`product`), and reductions
+    # Contiguous first: on the CPU qk is often a transposed view (`fast_paths.product`), and reductions
     # over a strided last dim are several times slower.
     x = qk.float().contiguous().unflatten(-1, (2, n_head, -1))  # [B, T, 2, H, hd]
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q_norm.eps)
@@ -66,17 +66,14 @@ class StreamProjection(nn.Module):
             self.c_k = nn.Linear(d, d, bias=True)
         self.k_norm = RMSNorm(hd)
         self.c_v = nn.Linear(d, d, bias=cfg.bias)
-        self.fused_qkv: FusedLinear | None = None
-
-    def fuse(self) -> None:
-        self.fused_qkv = FusedLinear(self.c_qk if self.with_query else self.c_k, self.c_v)
+        self.project = Parallel(self.c_qk if with_query else self.c_k, self.c_v)
 
     def forward(self, h: torch.Tensor, rot: torch.Tensor | None = None):
         """h: the normed stream [B, T, D] -> (q or None, k, v), each [B, H, T, hd].
 
         rot: RoPE rotations [T, hd/2] or [B, T, hd/2] (`DualStreamGPT.rope`), or None.
         """
-        qk, v = apply_linears((self.c_qk if self.with_query else self.c_k, self.c_v), self.fused_qkv, h)
+        qk, v = self.project(h)
         if self.with_query:
             q, k = normed_query_key(qk, self.q_norm, self.k_norm, self.n_head, rot)
         else:
@@ -164,17 +161,14 @@ class SingleAttention(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=cfg.bias)
         self.q_norm = RMSNorm(cfg.head_dim)
         self.k_norm = RMSNorm(cfg.head_dim)
-        self.fused_qkv: FusedLinear | None = None
-
-    def fuse(self) -> None:
-        self.fused_qkv = FusedLinear(self.c_qk, self.c_v)
+        self.project = Parallel(self.c_qk, self.c_v)
 
     def value(self, h: torch.Tensor) -> torch.Tensor:
         return split_heads(linear(self.c_v, h), self.n_head)
 
     def qkv(self, h: torch.Tensor, rot: torch.Tensor | None = None):
         """As `StreamProjection.forward`."""
-        qk, v = apply_linears((self.c_qk, self.c_v), self.fused_qkv, h)
+        qk, v = self.project(h)
         q, k = normed_query_key(qk, self.q_norm, self.k_norm, self.n_head, rot)
         return q, k, split_heads(v, self.n_head)
 
