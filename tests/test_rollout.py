@@ -717,6 +717,12 @@ def test_cli_ab_sets_the_in_server_experiment(monkeypatch):
     code, out = run(cluster, monkeypatch, "status")
     assert "ConfigMap cube3d-experiment: experiment 'decoder-v2': arms control=version 1 (50%), candidate=version 2 " \
            "(50%); shadow version 2 on 25% of requests (at most 4 in flight)" in out
+    assert "  loads versions 1, 2 (a version set" in out
+    # Without the right to read ConfigMaps, status still reports the rest.
+    cluster.configmap = lambda name: (_ for _ in ()).throw(ApiException(403, "Forbidden"))
+    code, out = run(cluster, monkeypatch, "status")
+    assert code == 0 and "cube3d-experiment: not readable (403)" in out and "traffic 100%" in out
+    del cluster.configmap
 
     code, out = run(cluster, monkeypatch, "ab", "--clear")
     assert code == 0 and written(cluster) is None

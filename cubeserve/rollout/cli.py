@@ -14,6 +14,7 @@ from cubeserve.rollout.cluster import DEFAULT_ISVC, HTTPROUTE_API, ISVC_API, Clu
 from cubeserve.rollout.errors import NotReady, RolloutError
 from cubeserve.rollout.plans import Plan, backend_arm, parse_weights, plan_route_weights, weighted_rule
 from cubeserve.rollout.state import STABLE, get, rollout_state
+from cubeserve.rollout.version_sets import served_versions
 from cubeserve.rollout.versions import VERSIONS_CONFIGMAP
 
 # Exit codes.
@@ -52,10 +53,18 @@ def _status(rollout: Rollout, args, out) -> int:
         print(f"  DRIFT: {line}", file=out)
     print(f"  registry {args.versions_configmap}: {registry.base_uri}/<version>/, versions "
           f"{' '.join(registry.versions) or '(none)'}", file=out)
+    loaded = served_versions(state.storage_uri, registry)
+    if loaded and len(loaded) > 1:
+        print(f"  loads versions {', '.join(map(str, sorted(loaded)))} (a version set: an in-server experiment "
+              "may use them)", file=out)
     try:
         line = experiments.describe(experiments.read(rollout.cluster.configmap(args.experiment_configmap)))
     except RolloutError as exc:  # a ConfigMap written by hand: show it, the server refuses it too
         line = f"INVALID: {exc}"
+    except Exception as exc:  # noqa: BLE001 - not allowed to read it: say so, the rest stands
+        if getattr(exc, "status", None) not in (401, 403):
+            raise
+        line = f"not readable ({exc.status}): no permission to get ConfigMaps"
     print(f"ConfigMap {args.experiment_configmap}: {line}", file=out)
     if args.httproute:
         route = rollout.cluster.get(HTTPROUTE_API, args.httproute)
