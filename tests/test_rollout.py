@@ -1024,3 +1024,36 @@ def test_a_version_set_holds_every_version_and_serves_exactly_them(tmp_path):
     assert served_versions(f"file://{store}/sets/1-9/", registry) is None  # 9 is not a registry version
     assert served_versions(f"file://{store}/2/", registry) == {2}
     assert served_versions("gs://elsewhere/1/", registry) is None
+
+
+def test_cli_version_set(tmp_path, monkeypatch, capsys):
+    from cubeserve.serving.repository import build_version_repository
+
+    store = tmp_path / "store"
+    cluster = FakeCluster(World("raw"))
+    cluster.registry = lambda name: r.VersionRegistry(f"file://{store}", ("1", "2"))
+    code, out = run(cluster, monkeypatch, "version-set", "--versions", "1,2", "--dry-run")
+    assert code == 0 and f"to file://{store}/sets/1-2/" in out and not store.exists()
+    code, _ = run(cluster, monkeypatch, "version-set", "--versions", "1,2")  # nothing uploaded yet
+    assert code == 1 and "nothing to download" in capsys.readouterr().err
+    for v in (1, 2):
+        (tmp_path / f"w{v}").mkdir()
+        (tmp_path / f"w{v}" / "config.yaml").write_text(f"version {v}")
+        build_version_repository(tmp_path / f"w{v}", v, store / str(v), "gpu")
+    code, out = run(cluster, monkeypatch, "version-set", "--versions", "2,1")
+    assert code == 0 and out.strip() == f"file://{store}/sets/1-2/"
+    assert (store / "sets" / "1-2" / "cube3d_stream" / "2" / "weights" / "config.yaml").read_text() == "version 2"
+    code, _ = run(cluster, monkeypatch, "version-set", "--versions", "1")
+    assert code == 2 and "two or more different versions" in capsys.readouterr().err
+
+
+def test_cli_ab_replaces_an_experiment_the_server_refuses(monkeypatch):
+    cluster = experiment_world()
+    cluster.configmaps["cube3d-experiment"] = {"metadata": {"name": "cube3d-experiment", "resourceVersion": "4"},
+                                               "data": {"experiment.json": '{"name": "x", "arms": [{"name": "a", "version": 0, "weight": 1}]}'}}
+    code, out = run(cluster, monkeypatch, "ab", "--set", "a=1:50,b=2:50")
+    assert code == 2  # no name to keep: the broken one has none the server accepts
+    code, out = run(cluster, monkeypatch, "ab", "--set", "a=1:50,b=2:50", "--name", "fixed")
+    assert code == 0 and out.startswith("ConfigMap cube3d-experiment: an experiment the server refuses -> "
+                                        "experiment 'fixed'")
+    assert written(cluster).name == "fixed"

@@ -1,4 +1,4 @@
-"""`cubeserve rollout ...`: status, canary, promote, rollback, ab, analyze."""
+"""`cubeserve rollout ...`: status, canary, promote, rollback, ab, version-set, analyze."""
 
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def _ab(cluster, args, out) -> int:
     if args.clear:
         exp = None
     else:
-        exp = experiments.build(args.name, args.set, args.shadow, args.salt, current=experiments.read(configmap))
+        exp = experiments.build(args.name, args.set, args.shadow, args.salt,
+                                current=experiments.read(configmap, strict=False))
     isvc = None if args.skip_preflight or exp is None else cluster.get(ISVC_API, args.isvc)
     plan = experiments.plan_experiment(configmap, exp, registry, isvc, cluster.namespace, args.experiment_configmap)
     if plan.changed and not args.dry_run:
@@ -113,7 +114,13 @@ def _version_set(cluster, args, out) -> int:
     if args.dry_run:
         print(f"would write versions {', '.join(versions)} to {uri}\ndry run: nothing was changed", file=out)
         return DONE
-    print(publish_version_set(registry, versions), file=out)
+    from cubeserve.storage import StorageError
+
+    try:
+        print(publish_version_set(registry, versions), file=out)
+    except StorageError as exc:  # the model store, not the cluster: reported as briefly
+        print(f"error: {exc}", file=sys.stderr)
+        return API_ERROR
     return DONE
 
 

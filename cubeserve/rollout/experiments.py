@@ -110,12 +110,15 @@ def build(name: str | None, arms: str | None = None, shadow: str | None = None, 
         raise RolloutError(str(exc)) from None
 
 
-def read(configmap: Mapping | None) -> serving_experiment.Experiment | None:
-    """The experiment a ConfigMap holds (None: no ConfigMap, or an empty one)."""
+def read(configmap: Mapping | None, strict: bool = True) -> serving_experiment.Experiment | None:
+    """The experiment a ConfigMap holds (None: no ConfigMap, or an empty one). One the server
+    would refuse (written by hand) is a RolloutError, or None when not `strict` (to replace it)."""
     text = get(configmap, "data", EXPERIMENT_KEY, default="") or ""
     try:
         return serving_experiment.parse(text)
     except ValueError as exc:
+        if not strict:
+            return None
         raise RolloutError(f"ConfigMap {EXPERIMENT_CONFIGMAP}: {exc}") from None
 
 
@@ -159,7 +162,10 @@ def plan_experiment(configmap: Mapping | None, exp: serving_experiment.Experimen
                                    f"only; the experiment also needs {', '.join(map(str, missing))}: point its "
                                    f"storageUri at a version set that holds them (README, A/B)")
     text = exp.to_json() if exp is not None else ""
-    before = read(configmap) if configmap is not None else None
+    try:
+        before = describe(read(configmap))
+    except RolloutError:
+        before = "an experiment the server refuses"
     if configmap is not None and (get(configmap, "data", EXPERIMENT_KEY, default="") or "") == text:
         return Plan(f"ConfigMap {name}: already {describe(exp)}: nothing to change")
     body: dict = {"apiVersion": "v1", "kind": "ConfigMap",
@@ -170,7 +176,7 @@ def plan_experiment(configmap: Mapping | None, exp: serving_experiment.Experimen
     version = get(configmap, "metadata", "resourceVersion")
     if version:  # a precondition: refused if someone changed it since it was read
         body["metadata"]["resourceVersion"] = version
-    summary = (f"ConfigMap {name}: {describe(before)} -> {describe(exp)}" if configmap is not None
+    summary = (f"ConfigMap {name}: {before} -> {describe(exp)}" if configmap is not None
                else f"ConfigMap {name} (new): {describe(exp)}")
     changes = describe_changes(configmap or {}, {"data": {EXPERIMENT_KEY: text}})
     return Plan(summary, body, tuple(changes))
