@@ -18,6 +18,7 @@ import copy
 import hashlib
 import json
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,11 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{path.name}: not a safetensors file (header is not JSON: {exc})") from exc
+    # A truncated file keeps a valid header; its tensor data runs past the end.
+    end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise CheckpointError(f"{path.name}: truncated or padded: its header describes {8 + n + end} bytes, "
+                              f"the file has {size}")
     out = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -115,16 +121,20 @@ def describe(cfg: ModelConfig) -> dict:
     }
 
 
+def version_style(use_bbox: bool) -> str:
+    """The version's name as the registry records it: v0.5 added the bounding-box token."""
+    return "v0.5-style" if use_bbox else "v0.1-style"
+
+
 def _detected_version(gpt_header: dict, tok_header: dict) -> str:
     bbox = "bbox_proj.weight" in gpt_header
     pe = tok_header.get("decoder.positional_encodings")
     n = pe.shape[0] if pe else "?"
-    return f"{'v0.5-style (bbox_proj present)' if bbox else 'v0.1-style (no bbox_proj)'}, {n} shape tokens"
+    return f"{version_style(bbox)} ({'bbox_proj present' if bbox else 'no bbox_proj'}), {n} shape tokens"
 
 
 def _config_summary(cfg: ModelConfig) -> str:
-    return (f"{'v0.5-style (use_bbox)' if cfg.gpt.use_bbox else 'v0.1-style (no bbox)'}, "
-            f"{cfg.num_tokens} shape tokens")
+    return f"{version_style(cfg.gpt.use_bbox)} ({'use_bbox' if cfg.gpt.use_bbox else 'no bbox'}), {cfg.num_tokens} shape tokens"
 
 
 def _check_tensors(file: str, header: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]]) -> list[str]:
@@ -151,8 +161,10 @@ def find_config_file(weights_dir: Path) -> Path | None:
     return yamls[0] if yamls else None
 
 
-def validate_dir(weights_dir: str | Path, config: ModelConfig | str | None = None) -> tuple[ModelConfig, dict, dict]:
-    """Check a weights directory without loading any tensor; returns (config, headers...)."""
+def validate_dir(weights_dir: str | Path, config: ModelConfig | str | None = None,
+                 allowed_suffixes: Collection[str] | None = None) -> tuple[ModelConfig, dict, dict]:
+    """Check a weights directory without loading any tensor; returns (config, headers...).
+    With `allowed_suffixes`, a file with any other suffix is refused by name."""
     weights_dir = Path(weights_dir)
     if not weights_dir.is_dir():
         raise CheckpointError(f"{weights_dir}: not a directory")
@@ -163,11 +175,14 @@ def validate_dir(weights_dir: str | Path, config: ModelConfig | str | None = Non
             hint = (f" (the CLIP text model is read from {CLIP_DIR}/model.safetensors: remove {rel})"
                     if rel.startswith(CLIP_DIR + "/") else "")
             raise CheckpointError(f"{rel}: pickled weights files are never loaded; use safetensors{hint}")
+        if allowed_suffixes is not None and p.suffix not in allowed_suffixes:
+            raise CheckpointError(f"{rel}: unexpected file; a checkpoint holds only safetensors, "
+                                  f"configs and tokenizer files ({sorted(allowed_suffixes)})")
         if p.suffix == ".safetensors" and p.parent == weights_dir and p.name not in (GPT_FILE, TOKENIZER_FILE):
             raise CheckpointError(f"{p.name}: unexpected weights file; expected only {GPT_FILE} and {TOKENIZER_FILE}")
         if p.suffix == ".safetensors" and p.parent != weights_dir:
             try:
-                read_safetensors_header(p)  # a pickle behind a .safetensors name
+                read_safetensors_header(p)  # a pickle behind a .safetensors name, a truncated file
             except CheckpointError as exc:
                 raise CheckpointError(f"{rel}: {str(exc).split(': ', 1)[-1]}") from None
     for name in (GPT_FILE, TOKENIZER_FILE):
@@ -217,10 +232,12 @@ def _load_into(module: nn.Module, path: Path, device) -> None:
 
 
 def load_models(weights_dir: str | Path, config: ModelConfig | str | None = None,
-                device: torch.device | str = "cpu") -> tuple[ModelConfig, DualStreamGPT, ShapeTokenizer]:
-    """Validated, strict load of both safetensors files in fp32, with the wte codebook overwrite."""
+                device: torch.device | str = "cpu", allowed_suffixes: Collection[str] | None = None,
+                ) -> tuple[ModelConfig, DualStreamGPT, ShapeTokenizer]:
+    """Validated (`validate_dir`), strict load of both safetensors files in fp32, with the wte
+    codebook overwrite."""
     weights_dir = Path(weights_dir)
-    cfg, _, _ = validate_dir(weights_dir, config)
+    cfg, _, _ = validate_dir(weights_dir, config, allowed_suffixes)
     gpt, tok = build_models(cfg, "meta")
     _load_into(gpt, weights_dir / GPT_FILE, device)
     _load_into(tok, weights_dir / TOKENIZER_FILE, device)

@@ -88,6 +88,14 @@ def test_truncated_file_is_named(weights_copy):
         load_models(weights_copy)
 
 
+def test_a_file_whose_tensor_data_is_cut_short_is_refused_before_loading(weights_copy):
+    """The header is intact, the tensors' bytes are not all there (an interrupted copy)."""
+    path = weights_copy / TOKENIZER_FILE
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(CheckpointError, match=f"{TOKENIZER_FILE}: truncated or padded"):
+        validate_dir(weights_copy)
+
+
 def test_version_mismatch_is_detected_from_the_tensors(tiny_bbox_weights):
     # v0.5-style weights (bbox_proj, more shape tokens) with a v0.1-style config: the user trap.
     with pytest.raises(CheckpointError, match=r"weights are v0.5-style \(bbox_proj present\), 48 shape tokens.*config 'tiny'"):

@@ -13,11 +13,10 @@ import html
 import json
 import os
 import shutil
-import struct
 import time
 from pathlib import Path
 
-from cubeserve.checkpoint import (PICKLE_SUFFIXES, CheckpointError, load_models, read_safetensors_header, sha256_file, validate_dir)
+from cubeserve.checkpoint import CheckpointError, load_models, sha256_file, version_style
 from cubeserve.config import to_yaml_dict
 from cubeserve.deploy import STREAM_MODEL
 
@@ -66,50 +65,22 @@ def checkpoint_digest(file_sha256: dict[str, str]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def _check_complete(path: Path, rel: str) -> None:
-    """A truncated safetensors file keeps a valid header; its tensor data runs past the end."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    end = max((meta["data_offsets"][1] for name, meta in header.items() if name != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        raise CheckpointError(f"{rel}: truncated or padded: its header describes {8 + n + end} bytes, "
-                              f"the file has {size}")
-
-
 def validate_checkpoint(checkpoint: str) -> dict:
-    """Files, headers, version and a strict load; returns what the registry records.
+    """Files, headers, version and a strict load (`cubeserve.checkpoint.load_models`); returns
+    what the registry records.
 
     Raises CheckpointError naming the file for a pickle (by suffix or content), a truncated
     file, unexpected files, or weights that do not match the config (e.g. v0.5 with v0.1)."""
     root = Path(fetch_checkpoint(checkpoint))
     if not root.is_dir():
         raise CheckpointError(f"{checkpoint}: not a directory")
-    files = checkpoint_files(root)
-    for p in files:
-        rel = p.relative_to(root).as_posix()
-        if p.suffix in PICKLE_SUFFIXES:
-            raise CheckpointError(f"{rel}: pickled weights files are never loaded; use safetensors")
-        if p.suffix not in ALLOWED_SUFFIXES:
-            raise CheckpointError(f"{rel}: unexpected file; a checkpoint holds only safetensors, "
-                                  f"configs and tokenizer files ({sorted(ALLOWED_SUFFIXES)})")
-        if p.suffix == ".safetensors":
-            try:
-                read_safetensors_header(p)  # refuses a pickle behind a .safetensors name
-            except CheckpointError as exc:
-                raise CheckpointError(f"{rel}: {str(exc).split(': ', 1)[-1]}") from None
-            _check_complete(p, rel)
-    # Names, shapes and the version, then a strict load of every tensor (CheckpointError names
-    # the file); the CLIP folder is loaded by the evaluation.
-    cfg, gpt_header, _ = validate_dir(root)
-    load_models(root, device="cpu")
-    file_sha256 = {p.relative_to(root).as_posix(): sha256_file(p) for p in files}
+    # The CLIP folder is checked here and loaded by the evaluation.
+    cfg, _, _ = load_models(root, device="cpu", allowed_suffixes=ALLOWED_SUFFIXES)
+    file_sha256 = {p.relative_to(root).as_posix(): sha256_file(p) for p in checkpoint_files(root)}
     return {
         "config_name": cfg.name,
         "config": to_yaml_dict(cfg),
-        # The same words as cubeserve.checkpoint's version detection.
-        "version": "v0.5-style" if "bbox_proj.weight" in gpt_header else "v0.1-style",
+        "version": version_style(cfg.gpt.use_bbox),  # the weights' own: load_models checked they agree
         "num_tokens": cfg.num_tokens,
         "files_sha256": file_sha256,
         "sha256": checkpoint_digest(file_sha256),
