@@ -14,6 +14,8 @@ and the tests, each stopped by its PID (process group):
   uvicorn, which starts its workers: the server runs in a session of its own and is stopped by
   its process group (SIGTERM, then SIGKILL), also when it fails to start. Its output goes to
   `<data_dir>.log`.
+* `Prometheus`: Debian's `prometheus` scraping the given targets (the local tritonserver's
+  metrics port), what the roll-out's analysis windows query (`cubeserve rollout analyze`).
 """
 
 from __future__ import annotations
@@ -295,6 +297,82 @@ class MlflowServer:
         self.process = None
 
     def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+PROMETHEUS_INSTALL = "apt-get install prometheus (Debian's package)"
+
+
+class Prometheus:
+    """`prometheus` scraping `targets` ("127.0.0.1:8002", ...) at /metrics every `interval`
+    seconds, listening on 127.0.0.1:<free port>, its data and log in `workdir`. `url`, `query()`
+    (an instant query's result vector), `wait_for()` (poll until a query returns something);
+    `start()` / `stop()` (by its PID) or a `with` block."""
+
+    def __init__(self, workdir: str | Path, targets: list[str], interval: float = 1.0, rule_files=(),
+                 binary: str | None = None):
+        self.binary = binary or shutil.which("prometheus")
+        if not self.binary:
+            raise RuntimeError(f"prometheus is not installed ({PROMETHEUS_INSTALL})")
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        config = {
+            "global": {"scrape_interval": f"{interval:g}s", "evaluation_interval": f"{interval:g}s"},
+            "rule_files": [str(p) for p in rule_files],
+            "scrape_configs": [{"job_name": "cube3d", "static_configs": [{"targets": list(targets)}]}],
+        }
+        self.config = self.workdir / "prometheus.yml"
+        self.config.write_text(json.dumps(config))  # JSON is YAML
+        self.log_path = self.workdir / "prometheus.log"
+        self.process: subprocess.Popen | None = None
+        self._log = None
+
+    def start(self, timeout: float = 60.0) -> "Prometheus":
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [self.binary, f"--config.file={self.config}", f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address={HOST}:{self.port}", "--storage.tsdb.retention.time=1d"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _wait_for_http(self.process, f"{self.url}/-/ready", "prometheus", timeout,
+                           lambda: self.log_path.read_text(errors="replace")[-2000:])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def query(self, promql: str) -> list[dict]:
+        from cubeserve.rollout.analyze import PrometheusClient
+
+        return PrometheusClient(self.url).query(promql)
+
+    def wait_for(self, promql: str, timeout: float = 60.0) -> list[dict]:
+        """Poll until the query returns a non-empty vector (the last answer after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self.query(promql)
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "Prometheus":
         return self.start()
 
     def __exit__(self, *exc) -> None:
