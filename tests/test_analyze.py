@@ -12,7 +12,6 @@ import io
 import json
 import math
 import re
-import threading
 import time
 
 import pytest
@@ -313,3 +312,4 @@ def test_a_bad_query_reports_prometheus_own_error(prometheus):
     with pytest.raises(a.PrometheusError, match="parse error"):
         client.query("sum(")
     assert not math.isnan(float(client.query("1 + 1")[0]["value"][1]))
+
