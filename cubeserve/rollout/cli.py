@@ -178,7 +178,9 @@ def run_rollout(args, out=None) -> int:
         print(f"error: {type(exc).__name__}: {' '.join(str(p) for p in (status, getattr(exc, 'reason', None) or exc) if p)}",
               file=sys.stderr)
         if status == 409:
-            print("the object changed while this command ran: run it again", file=sys.stderr)
+            print("the object changed while this command ran: run it again (if it persists, another field "
+                  "manager owns a field this command writes: see the object's metadata.managedFields)",
+                  file=sys.stderr)
         return API_ERROR
 
 
