@@ -37,7 +37,6 @@ def cmd_generate(args) -> int:
                              single_block_mode=args.single_block)
     load_s = time.perf_counter() - t0
     result = engine.generate([request])[0]
-    timings = {"load_s": load_s, **result.timings}
     if result.mesh.empty:
         print(f"no mesh: {result.mesh.message}", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -51,8 +50,9 @@ def cmd_generate(args) -> int:
         Path(args.preview).write_bytes(render_preview(mesh.vertices, mesh.faces, message=mesh.message))
     n = len(result.tokens)
     print(f"prompt: {args.prompt!r}  device: {engine.device}  dtype: {args.dtype}  tokens: {n}")
-    print(f"time per output token: {timings['time_per_token_s'] * 1e3:.2f} ms")
-    print("stages: " + "  ".join(f"{k[:-2]} {v:.3f} s" for k, v in timings.items() if k != "time_per_token_s"))
+    t = result.stages
+    print(f"time per output token: {t.time_per_token_s * 1e3:.2f} ms")
+    print(f"stages: load {load_s:.3f} s  tokens {t.tokens_s:.3f} s  geometry {t.geometry_s:.3f} s")
     print(f"mesh: {len(result.mesh.vertices)} vertices, {len(result.mesh.faces)} faces -> {out}")
     return 0 if not result.mesh.empty else 3
 

@@ -1,5 +1,6 @@
 """The engine's batching thread: concurrent requests share steps, join mid-flight, cancel."""
 
+import json
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -27,6 +28,10 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_result(make_engin
         assert res.tokens == engine.generate_tokens([r])[0].tolist()
         assert not res.mesh.empty
         assert res.timings["total_s"] >= res.timings["tokens_s"] > 0
+        # The server sends these as JSON and its readers take them by key.
+        assert json.loads(json.dumps(res.timings)).keys() == {
+            "queue_s", "tokens_s", "time_per_token_s", "geometry_s", "total_s"}
+        assert res.timings["time_per_token_s"] == res.timings["tokens_s"] / engine.cfg.num_tokens
 
 
 def test_requests_waiting_when_the_loop_starts_share_every_step(make_engine):

@@ -4,11 +4,11 @@ Names are imported lazily so that torch-free users (the request/protocol code in
 and in the predict-API model) do not pay for importing torch.
 """
 
-__all__ = ["Engine", "GenerationResult", "GenerationRequest", "InvalidRequest", "Unavailable"]
+__all__ = ["Engine", "GenerationResult", "Timings", "GenerationRequest", "InvalidRequest", "Unavailable"]
 
 
 def __getattr__(name):
-    if name in ("Engine", "GenerationResult"):
+    if name in ("Engine", "GenerationResult", "Timings"):
         from cubeserve.engine import engine
 
         return getattr(engine, name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,12 +34,39 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True, kw_only=True)
+class Timings:
+    """Seconds per stage of one generation. `Engine.generate` runs one batch with no queue;
+    the scheduler also knows the wait for a slot and the total."""
+
+    queue_s: float | None = None  # submitted -> admitted (scheduler)
+    tokens_s: float  # decoding (with `Engine.generate`: the whole batch's)
+    steps: int  # decode steps, one per token of the object
+    geometry_s: float  # tokens -> mesh (with `Engine.generate`: the batch's share per object)
+    total_s: float | None = None  # submitted -> mesh (scheduler)
+
+    @property
+    def time_per_token_s(self) -> float:
+        return self.tokens_s / self.steps
+
+    def as_dict(self) -> dict[str, float]:
+        """The stages known, as the JSON-able dict that readers take by key."""
+        stages = {"queue_s": self.queue_s, "tokens_s": self.tokens_s, "time_per_token_s": self.time_per_token_s,
+                  "geometry_s": self.geometry_s, "total_s": self.total_s}
+        return {k: v for k, v in stages.items() if v is not None}
+
+
 @dataclass
 class GenerationResult:
     request: GenerationRequest
     tokens: list[int]
     mesh: geometry.Mesh
-    timings: dict[str, float] = field(default_factory=dict)  # seconds, per stage
+    stages: Timings
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """`stages` as a dict (seconds by stage name), the form the server sends."""
+        return self.stages.as_dict()
 
     def mesh_bytes(self) -> bytes:
         return self.mesh.export(self.request.format)
@@ -191,9 +218,8 @@ class Engine:
         for r, toks, mesh in zip(requests, tokens.tolist(), meshes):
             if mesh.empty:
                 log.warning("prompt %r: %s", r.prompt, mesh.message)
-            results.append(GenerationResult(r, toks, mesh, {
-                "tokens_s": t1 - t0, "time_per_token_s": (t1 - t0) / n, "geometry_s": (t2 - t1) / len(requests),
-            }))
+            results.append(GenerationResult(r, toks, mesh, Timings(
+                tokens_s=t1 - t0, steps=n, geometry_s=(t2 - t1) / len(requests))))
         return results
 
     def _sync(self) -> None:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from cubeserve.engine.engine import Engine, GenerationResult
+from cubeserve.engine.engine import Engine, GenerationResult, Timings
 from cubeserve.engine.requests import GenerationRequest, Unavailable
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
@@ -354,14 +354,9 @@ class Scheduler:
                 t1 = time.perf_counter()
                 if not decoding:
                     release_openmp_workers()
-                decode_s = ticket.decoded - ticket.admitted
-                result = GenerationResult(ticket.request, tokens.tolist(), mesh, {
-                    "queue_s": ticket.admitted - ticket.submitted,
-                    "tokens_s": decode_s,
-                    "time_per_token_s": decode_s / n,
-                    "geometry_s": t1 - t0,
-                    "total_s": t1 - ticket.submitted,
-                })
+                result = GenerationResult(ticket.request, tokens.tolist(), mesh, Timings(
+                    queue_s=ticket.admitted - ticket.submitted, tokens_s=ticket.decoded - ticket.admitted,
+                    steps=n, geometry_s=t1 - t0, total_s=t1 - ticket.submitted))
                 self.stats.on_complete()
                 ticket.future.set_result(result)
             except Exception as exc:
