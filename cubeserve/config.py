@@ -29,7 +29,6 @@ class GPTConfig:
     shape_model_vocab_size: int = 16384
     shape_model_embed_dim: int = 32
     text_model_embed_dim: int = 768
-    use_pooled_text_embed: bool = False
     encoder_with_cls_token: bool = True
     use_bbox: bool = False
 
@@ -72,10 +71,6 @@ class TokenizerConfig:
     num_decoder_layers: int = 24
     encoder_with_cls_token: bool = True
     num_codes: int = 16384
-
-    @property
-    def point_embed_dim(self) -> int:
-        return 3 + 2 * 3 * self.num_freqs
 
 
 @dataclass(frozen=True)
@@ -208,6 +203,10 @@ def read_yaml(path: str | Path) -> ModelConfig:
         raise ValueError(f"{path.name}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict) or "gpt_model" not in data or "shape_model" not in data:
         raise ValueError(f"{path.name}: expected the sections 'gpt_model' and 'shape_model'")
+    if (data["gpt_model"] or {}).get("use_pooled_text_embed"):
+        # The reference's option to condition on CLIP's pooled embedding (one token): this
+        # engine conditions on the hidden states only, so such a model would give wrong shapes.
+        raise ValueError(f"{path.name}: gpt_model.use_pooled_text_embed: true is not supported")
     gpt = _from_section(GPTConfig, data["gpt_model"], f"{path.name}: gpt_model")
     tok = _from_section(TokenizerConfig, data["shape_model"], f"{path.name}: shape_model")
     # YAML 1.1 reads "1e-6" as a string; accept it as the reference's files spell it.

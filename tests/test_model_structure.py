@@ -6,6 +6,7 @@ import pytest
 
 from cubeserve.checkpoint import build_models, describe, parameter_counts
 from cubeserve.config import PRESETS, V0_1, V0_5, get_config, read_yaml, write_yaml
+from cubeserve.model.tokenizer import PointEmbedder
 
 DATA = Path(__file__).parent / "data"
 
@@ -45,7 +46,7 @@ def test_reference_config_values():
     assert g.rope_theta == 10000.0 and g.eps == 1e-6 and g.vocab_size == 16387
     assert (g.bos_id, g.eos_id, g.pad_id) == (16384, 16385, 16386)
     assert (t.width, t.num_heads, t.num_encoder_layers, t.num_decoder_layers) == (768, 12, 13, 24)
-    assert t.encoder_cross_attention_levels == (0, 2, 4, 8) and t.point_embed_dim == 771
+    assert t.encoder_cross_attention_levels == (0, 2, 4, 8) and PointEmbedder(t.num_freqs).out_dim == 771
     assert (V0_1.num_tokens, V0_1.cond_len) == (512, 77)
     assert (V0_5.num_tokens, V0_5.cond_len, V0_5.gpt.use_bbox) == (1024, 78, True)
 
@@ -83,3 +84,13 @@ def test_reference_style_yaml_is_read(tmp_path):
 def test_unknown_config_names_the_choices():
     with pytest.raises(ValueError, match="v0.1"):
         get_config("v0.9")
+
+
+def test_a_model_conditioned_on_the_pooled_clip_embedding_is_refused(tmp_path):
+    """The reference's use_pooled_text_embed: true conditions on one pooled token; the engine
+    reads CLIP's hidden states only, so it must not serve such a model as if it were one."""
+    path = tmp_path / "open_model.yaml"
+    write_yaml(V0_1, path)
+    path.write_text(path.read_text().replace("gpt_model:\n", "gpt_model:\n  use_pooled_text_embed: true\n", 1))
+    with pytest.raises(ValueError, match="use_pooled_text_embed: true is not supported"):
+        read_yaml(path)

@@ -7,7 +7,8 @@ plain PyTorch, and `apply` (called once by the Engine) is the one place they com
   prefetch ramp-up per call), and on the GPU it is one kernel instead of several.
 - Streaming products (CPU): every nn.Linear becomes a `StreamingLinear` that multiplies through
   `product`, and the decode step's weights get oneDNN-packed copies. A decode step multiplies a
-  few rows by each weight, where MKL's F.linear is slow (BENCHMARKS.md, "CPU products").
+  few rows by each weight, where MKL's F.linear is slow (BENCHMARKS.md, "What the CPU step
+  is made of").
 
 Each variant is the same product in another summation order (tests/test_fast_paths.py).
 """

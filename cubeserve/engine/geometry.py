@@ -122,7 +122,7 @@ def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int, backend: 
     backend: "skimage" (scikit-image's Lewiner, on the CPU), "warp" (NVIDIA Warp, on the
     grid's device), or "auto": Warp for a CUDA grid where Warp is installed (the `gpu` extra),
     scikit-image otherwise. Both put the vertices at the same edge crossings; on the CPU
-    scikit-image is the faster (0.19 vs 2.3 s at resolution 8 on a 2-core AMD EPYC).
+    scikit-image is the faster (BENCHMARKS.md).
     """
     grid = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits, np.float32))
     grid = grid.detach().float()

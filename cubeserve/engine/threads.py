@@ -4,9 +4,8 @@ PyTorch's CPU kernels run on OpenMP, and libgomp keeps a pool of worker threads 
 thread that has ever run a parallel region. Once the pools hold more workers than there are
 CPUs, every team's idle workers sleep between parallel regions instead of spinning, and each
 region pays a wake-up. A decode step is a few dozen parallel products in a few ms, so on the
-scheduler's thread it ran ~1.5x slower than on the thread that built the engine (`mid`, AMD
-EPYC, 2 cores: 11.8 vs 7.5 ms at 1 object, 31 vs 23 ms at 8) only because that other thread kept its
-idle pool. So the scheduler's decode thread keeps the only team: the thread that built the
+scheduler's thread it ran far slower than on the thread that built the engine (BENCHMARKS.md)
+only because that other thread kept its idle pool. So the scheduler's decode thread keeps the only team: the thread that built the
 engine hands its workers back when the scheduler starts, and the geometry thread runs its
 kernels on one thread while objects are decoding (on all of them, releasing the pool after,
 when nothing is).
