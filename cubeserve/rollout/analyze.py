@@ -232,29 +232,40 @@ def _selector(version: str, extra: str = "", **labels: str) -> str:
     return "{" + ",".join(parts) + "}"
 
 
+def grown(series: str, window: str) -> str:
+    """How much each counter of `series` grew over the window, counting series born in it.
+    increase() alone takes a series' first sample as its start, so a series that appears with
+    its first event (the server makes a label set's counter on first use) would lose that event,
+    and a version with a handful of requests in the window most of them. Series that existed at
+    the window's start: increase(); series born since: their whole value. (Binary operators
+    match on the labels without the metric name.)"""
+    return (f"((increase({series}[{window}]) and {series} offset {window}) "
+            f"or ({series} unless {series} offset {window}))")
+
+
 def queries(version: str, window: str, selector: str = "") -> dict[str, str]:
     """The PromQL of one version's figures over `window` (a Prometheus duration, "300s").
     `selector`: more label matchers for every series (e.g. `namespace="models"` where
     Prometheus scrapes several services)."""
     s = _selector(version, selector)
     durations = f'{{__name__=~"{m.REQUEST_DURATION}_bucket|{m.SHADOW_DURATION}_bucket",{s[1:]}'
+    identical = _selector(version, selector, le=str(IDENTICAL_ABOVE))
 
-    def quantile(q: float, buckets: str) -> str:
-        return f"histogram_quantile({q}, sum by (le) (rate({buckets}[{window}])))"
+    def quantile(q: float, buckets: str) -> str:  # increases, not rates: the quantile is the same
+        return f"histogram_quantile({q}, sum by (le) ({grown(buckets, window)}))"
 
     return {
-        "outcomes": f"sum by (outcome) (increase({m.REQUESTS}{s}[{window}]))",
-        "shadow_outcomes": f"sum by (outcome) (increase({m.SHADOW_REQUESTS}{s}[{window}]))",
+        "outcomes": f"sum by (outcome) ({grown(m.REQUESTS + s, window)})",
+        "shadow_outcomes": f"sum by (outcome) ({grown(m.SHADOW_REQUESTS + s, window)})",
         "p50_seconds": quantile(0.5, durations),
         "p95_seconds": quantile(0.95, durations),
         "time_per_token_p50": quantile(0.5, f"{m.TIME_PER_OUTPUT_TOKEN}_bucket{s}"),
         "time_per_token_p95": quantile(0.95, f"{m.TIME_PER_OUTPUT_TOKEN}_bucket{s}"),
         "queue_p95_seconds": quantile(0.95, f"{m.QUEUE_TIME}_bucket{s}"),
-        "meshes": f"sum by (quality) (increase({m.MESHES}{s}[{window}]))",
-        "agreement_sum": f"sum(increase({m.SHADOW_AGREEMENT}_sum{s}[{window}]))",
-        "agreement_count": f"sum(increase({m.SHADOW_AGREEMENT}_count{s}[{window}]))",
-        "agreement_below_identical": f'sum(increase({m.SHADOW_AGREEMENT}_bucket'
-                                     f'{_selector(version, selector, le=str(IDENTICAL_ABOVE))}[{window}]))',
+        "meshes": f"sum by (quality) ({grown(m.MESHES + s, window)})",
+        "agreement_sum": f"sum({grown(m.SHADOW_AGREEMENT + '_sum' + s, window)})",
+        "agreement_count": f"sum({grown(m.SHADOW_AGREEMENT + '_count' + s, window)})",
+        "agreement_below_identical": f"sum({grown(m.SHADOW_AGREEMENT + '_bucket' + identical, window)})",
     }
 
 
