@@ -83,8 +83,14 @@ class StreamProjection(nn.Module):
         return q, k, split_heads(v, self.n_head)
 
 
+def residual_update(s: torch.Tensor, y: torch.Tensor, c_proj: nn.Linear, mlp: SwiGLU, eps: float) -> torch.Tensor:
+    """What every block does after attention: s += c_proj(y); s += SwiGLU(LN(s))."""
+    s = s + linear(c_proj, y)
+    return s + mlp(layer_norm(s, eps))
+
+
 class StreamUpdate(nn.Module):
-    """`post_1` / `post_2`: s += c_proj(y); s += SwiGLU(LN(s))."""
+    """`post_1` / `post_2`: one stream's `residual_update`."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -93,8 +99,7 @@ class StreamUpdate(nn.Module):
         self.mlp = SwiGLU(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
 
     def forward(self, s: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        s = s + linear(self.c_proj, y)
-        return s + self.mlp(layer_norm(s, self.eps))
+        return residual_update(s, y, self.c_proj, self.mlp, self.eps)
 
 
 class DualAttention(nn.Module):
@@ -117,7 +122,7 @@ class DualBlock(nn.Module):
         if not last:
             self.post_2 = StreamUpdate(cfg)
 
-    def forward(self, x: torch.Tensor | None, c: torch.Tensor | None, keys: "Keys",
+    def forward(self, x: torch.Tensor | None, c: torch.Tensor | None, keys: Keys,
                 layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x: the shape stream [B, L, D], or None (condition prefill); c: the condition stream
         [B, S, D], or None (a decode step: its keys and values are in the cache)."""
@@ -174,7 +179,7 @@ class SingleAttention(nn.Module):
 
 
 class SingleBlock(nn.Module):
-    """Self-attention over the shape stream alone, then x += c_proj(y); x += SwiGLU(LN(x))."""
+    """Self-attention over the shape stream alone, then its `residual_update`."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -182,7 +187,7 @@ class SingleBlock(nn.Module):
         self.attn = SingleAttention(cfg)
         self.mlp = SwiGLU(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, keys: "Keys", layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys: Keys, layer: int) -> torch.Tensor:
         h = layer_norm(x, self.eps)
         if keys.single_block_mode == "reference":
             # The reference's cached decode lets every query see position 0 (BOS) alone: the
@@ -195,8 +200,7 @@ class SingleBlock(nn.Module):
             q, k, v = self.attn.qkv(h, keys.rot)
             k, v = keys.single(layer, k, v)
             y = attention(q.to(k.dtype), k, v, mask=keys.single_mask)
-        x = x + linear(self.attn.c_proj, merge_heads(y))
-        return x + self.mlp(layer_norm(x, self.eps))
+        return residual_update(x, merge_heads(y), self.attn.c_proj, self.mlp, self.eps)
 
 
 class Keys(Protocol):
