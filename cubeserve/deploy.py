@@ -39,10 +39,18 @@ REQUEST_TIMEOUT_S = 600
 # Knative's queue-proxy drains, `docker stop`, Ctrl-C) cuts nothing a client still waits for.
 EXIT_TIMEOUT_S = REQUEST_TIMEOUT_S
 
+# Request headers that tritonserver hands to the models as request parameters: the experiment's
+# user key and arm pin (cubeserve/serving/experiment.py). HTTP keeps the header's case as sent
+# (RE2, case-insensitive here); gRPC metadata keys are lowercase.
+HTTP_HEADER_FORWARD_PATTERN = "(?i)^x-cube3d-"
+GRPC_HEADER_FORWARD_PATTERN = "^x-cube3d-"
+
 # Flags every tritonserver of this project runs with, here and on a laptop: the config.pbtxt
 # files are complete, so Triton must not rewrite them from what model.py reports; the exit
-# timeout above.
-COMMON_FLAGS = ("--disable-auto-complete-config", f"--exit-timeout-secs={EXIT_TIMEOUT_S}")
+# timeout above; the experiment's headers.
+COMMON_FLAGS = ("--disable-auto-complete-config", f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+                f"--http-header-forward-pattern={HTTP_HEADER_FORWARD_PATTERN}",
+                f"--grpc-header-forward-pattern={GRPC_HEADER_FORWARD_PATTERN}")
 
 
 def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:

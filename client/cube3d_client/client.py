@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from cubeserve.serving.experiment import USER_KEY
 from cubeserve.serving.protocol import DATATYPES, MESH_ENCODINGS, decode_mesh, error_kind
 
 _NUMPY = {"INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_}
@@ -55,6 +56,8 @@ class MeshResult:
     # The model version that served the request (the checkpoint version, e.g. "7"); "" from a
     # server whose model has no MODEL_VERSION output.
     model_version: str = ""
+    # The experiment arm that served it ("" outside an experiment, or from the stream model).
+    arm: str = ""
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -83,7 +86,7 @@ class Cube3DClient:
     def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = "cube3d",
                  stream_model: str = "cube3d_stream", model_version: str = "", host: str | None = None,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False,
-                 mesh_encoding: str = "binary"):
+                 mesh_encoding: str = "binary", user: str | None = None):
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
         if mesh_encoding not in MESH_ENCODINGS:
@@ -92,6 +95,8 @@ class Cube3DClient:
         self.url, self.protocol, self.model, self.stream_model = url, protocol, model, stream_model
         self.model_version, self.host = model_version, host
         self.timeout, self.retries, self.backoff, self.ssl = timeout, retries, backoff, ssl
+        # The user key of an experiment (sent as the header x-cube3d-user): one user, one arm.
+        self.user = user
         self._client = None
 
     # -- transport ------------------------------------------------------------------------------
@@ -117,7 +122,13 @@ class Cube3DClient:
         return self._client
 
     def _headers(self) -> dict | None:
-        return {"Host": self.host} if self.host and self.protocol == "http" else None
+        """HTTP headers, or gRPC metadata (the same keys but Host, which gRPC sends as :authority)."""
+        headers = {}
+        if self.host and self.protocol == "http":
+            headers["Host"] = self.host
+        if self.user:
+            headers[USER_KEY] = self.user
+        return headers or None
 
     def _inputs(self, values: dict):
         module = self._module()
@@ -190,7 +201,7 @@ class Cube3DClient:
             return client.infer(self.model, self._inputs(values), model_version=self.model_version,
                                 headers=self._headers(), timeout=int(self.timeout * 1e6))
         return client.infer(self.model, self._inputs(values), model_version=self.model_version,
-                            client_timeout=self.timeout)
+                            headers=self._headers(), client_timeout=self.timeout)
 
     def _stream(self, values: dict, on_progress: Callable[[int], None]):
         client = self._connect()
@@ -224,6 +235,7 @@ class Cube3DClient:
     @staticmethod
     def _result(result, format: str, mesh_encoding: str) -> MeshResult:
         version = result.as_numpy("MODEL_VERSION")  # None when the server does not send it
+        arm = result.as_numpy("ARM")
         return MeshResult(
             mesh=decode_mesh(bytes(result.as_numpy("MESH")[0]), mesh_encoding),
             format=format,
@@ -232,6 +244,7 @@ class Cube3DClient:
             num_faces=int(result.as_numpy("NUM_FACES")[0]),
             timings=json.loads(result.as_numpy("TIMINGS")[0]),
             model_version=bytes(version[0]).decode() if version is not None else "",
+            arm=bytes(arm[0]).decode() if arm is not None else "",
         )
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cubeserve.engine import geometry
+from cubeserve.serving.agreement import closed_mesh_occupancy
 
 Occupancy = Callable[[torch.Tensor], torch.Tensor]
 
@@ -66,49 +67,10 @@ def undo_reference_vertex_mapping(vertices: np.ndarray, resolution: int) -> np.n
 
 
 def mesh_occupancy_grid(vertices: np.ndarray, faces: np.ndarray, resolution: int = 6) -> np.ndarray:
-    """Inside/outside of a closed triangle mesh at the grid's samples: bool [n, n, n].
-
-    For each (x, y) column, count the triangles crossed by the ray from z = -inf up to each
-    sample; an odd count is inside. Each triangle only visits the columns under its xy
-    bounding box, so the cost is O(faces + samples). The columns are shifted by a tiny
-    irrational fraction of a cell so no ray grazes a vertex or edge of a grid-aligned mesh
-    (a marching-cubes mesh), where a crossing could be counted twice.
-    """
-    n = geometry.grid_size(resolution)
+    """Inside/outside of a closed triangle mesh at the engine grid's samples: bool [n, n, n]
+    (see `cubeserve.serving.agreement.closed_mesh_occupancy`)."""
     lo, hi = geometry.BOUNDS
-    step = (hi - lo) / (n - 1)
-    inside_counts = np.zeros((n, n, n + 1), np.int32)
-    tri = np.asarray(vertices, np.float64)[np.asarray(faces, np.int64)]  # [F, 3, 3]
-    if len(tri) == 0:
-        return np.zeros((n, n, n), bool)
-    jitter = np.array([0.000123457, 0.000271828]) * step
-    xy_min, xy_max = tri[:, :, :2].min(1), tri[:, :, :2].max(1)
-    first = np.ceil((xy_min - lo - jitter) / step).astype(np.int64).clip(0, n)
-    last = np.floor((xy_max - lo - jitter) / step).astype(np.int64).clip(-1, n - 1)
-    count = np.maximum(last - first + 1, 0)  # columns per triangle along x and y
-    per_tri = count[:, 0] * count[:, 1]
-    tid = np.repeat(np.arange(len(tri)), per_tri)
-    k = np.arange(len(tid)) - np.repeat(np.cumsum(per_tri) - per_tri, per_tri)
-    ci = first[tid, 0] + k // count[tid, 1]
-    cj = first[tid, 1] + k % count[tid, 1]
-    px, py = lo + ci * step + jitter[0], lo + cj * step + jitter[1]
-
-    a, b, c = tri[tid, 0], tri[tid, 1], tri[tid, 2]
-
-    def cross(u, v, w):  # 2-D cross product (v - u) x (w - u) with u given as (x, y)
-        return (v[:, 0] - u[0]) * (w[:, 1] - u[1]) - (v[:, 1] - u[1]) * (w[:, 0] - u[0])
-
-    area = cross((a[:, 0], a[:, 1]), b, c)
-    with np.errstate(divide="ignore", invalid="ignore"):  # edge-on triangles: NaN, never a hit
-        wa = cross((px, py), b, c) / area  # barycentric weights of the column in the triangle
-        wb = cross((px, py), c, a) / area
-        wc = 1.0 - wa - wb
-        hit = (np.abs(area) > 1e-15) & (wa >= 0) & (wb >= 0) & (wc >= 0)
-        z = wa * a[:, 2] + wb * b[:, 2] + wc * c[:, 2]
-    zaxis = lo + np.arange(n) * step
-    kz = np.searchsorted(zaxis, z[hit])  # the crossing lies below samples kz .. n-1
-    np.add.at(inside_counts, (ci[hit], cj[hit], kz), 1)
-    return (np.cumsum(inside_counts, axis=2)[:, :, :n] % 2) == 1
+    return closed_mesh_occupancy(vertices, faces, lo, hi, geometry.grid_size(resolution))
 
 
 def mesh_iou(mesh, occ: Occupancy, resolution: int = 6, mesh_resolution: int | None = None) -> float:

@@ -17,9 +17,9 @@ into it. Without `arms`, requests go to the version the client called.
 `shadow` (optional): that share of the requests is also sent to the shadow version, whose answer
 is compared with the served one and never returned.
 
-Where the server reads it: the file named by the environment variable EXPERIMENT_FILE_ENV
-(on Kubernetes a ConfigMap mounted into the pod; the predict model re-reads it when it changes,
-so a new experiment or new weights take effect without a restart), else the predict model's
+Where the server reads it: the file named by the environment variable EXPERIMENT_FILE_ENV while
+it exists (on Kubernetes a ConfigMap mounted into the pod; the predict model re-reads it when it
+changes, so a new experiment or new weights take effect without a restart), else the predict model's
 config parameter `experiment` (set when the model is loaded through Triton's model-control API,
 as the pipeline's local target does).
 
@@ -152,8 +152,11 @@ def parse(text: str) -> Experiment | None:
     salt = body.get("salt", "")
     if not isinstance(salt, str):
         raise ValueError("experiment.salt: must be a string")
+    raw_arms = body.get("arms") or []
+    if not isinstance(raw_arms, list):
+        raise ValueError("experiment.arms: must be a list of {name, version, weight}")
     arms = []
-    for i, raw in enumerate(body.get("arms") or []):
+    for i, raw in enumerate(raw_arms):
         where = f"experiment.arms[{i}]"
         if not isinstance(raw, dict) or set(raw) - {"name", "version", "weight"}:
             raise ValueError(f"{where}: must be an object with name, version and weight")

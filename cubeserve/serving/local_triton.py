@@ -74,8 +74,10 @@ class LocalTriton:
                  grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
                  log_path: str | Path | None = None,
                  extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False,
-                 fault_grace: float = 10.0, on_fault: str = "restart", drained_grace: float | None = None):
+                 fault_grace: float = 10.0, on_fault: str = "restart", drained_grace: float | None = None,
+                 env: dict[str, str] | None = None):
         self.model_repository = Path(model_repository)
+        self.extra_env = dict(env or {})  # e.g. CUBE3D_EXPERIMENT_FILE
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
@@ -125,6 +127,7 @@ class LocalTriton:
         if libdir and Path(libdir).is_dir():
             env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
         env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.extra_env)
         return env
 
     def start(self, timeout: float = 300.0) -> "LocalTriton":

@@ -10,7 +10,9 @@ Outputs:
     SHAPE_TOKENS INT32 [N], NUM_VERTICES INT64, NUM_FACES INT64,
     TIMINGS BYTES (JSON, seconds per stage), MODEL_VERSION BYTES (the model version that
     served the request, e.g. "7": the checkpoint version, see serving/repository.py),
-    PROGRESS INT32 (tokens generated so far)
+    ARM BYTES (the predict model only: the experiment arm that served it, "" outside an
+    experiment, see serving/experiment.py), PROGRESS INT32 (the stream model only: tokens
+    generated so far)
 
 Why base64 by default: Triton writes a BYTES output into a JSON response as a string, byte for
 byte, so raw GLB bytes make the body invalid JSON for every client that does not use the binary
@@ -50,13 +52,13 @@ INPUTS = {
     "STREAM_PROGRESS": (None, "bool", 1),
 }
 FIELD_TO_INPUT = {field: name for name, (field, _, _) in INPUTS.items() if field}
-OUTPUTS = ("MESH", "SHAPE_TOKENS", "NUM_VERTICES", "NUM_FACES", "TIMINGS", "MODEL_VERSION", "PROGRESS")
+OUTPUTS = ("MESH", "SHAPE_TOKENS", "NUM_VERTICES", "NUM_FACES", "TIMINGS", "MODEL_VERSION", "ARM", "PROGRESS")
 # The v2 datatype of every tensor on the wire (what config.pbtxt declares; tests hold the
 # served metadata to it).
 DATATYPES = {"PROMPT": "BYTES", "SEED": "INT64", "GUIDANCE_SCALE": "FP32", "TOP_P": "FP32", "TEMPERATURE": "FP32",
              "RESOLUTION": "INT32", "BBOX": "FP32", "FORMAT": "BYTES", "MESH_ENCODING": "BYTES",
              "STREAM_PROGRESS": "BOOL", "MESH": "BYTES", "SHAPE_TOKENS": "INT32", "NUM_VERTICES": "INT64",
-             "NUM_FACES": "INT64", "TIMINGS": "BYTES", "MODEL_VERSION": "BYTES", "PROGRESS": "INT32"}
+             "NUM_FACES": "INT64", "TIMINGS": "BYTES", "MODEL_VERSION": "BYTES", "ARM": "BYTES", "PROGRESS": "INT32"}
 MESH_ENCODINGS = ("base64", "binary")
 # A request parameter: a request that carries it cancels the engine's request of that id (how the
 # predict model cancels a forward whose client went away; BLS requests cannot be cancelled).
@@ -64,6 +66,9 @@ CANCEL_PARAMETER = "cube3d_cancel_request_id"
 # A request parameter on the predict model's forwards: the engine takes them while the server
 # drains (serving/drain.py), since the predict model accepted them before the drain began.
 FORWARDED_PARAMETER = "cube3d_forwarded"
+# A request parameter on the predict model's forwards: the experiment arm that the request was
+# assigned to ("shadow" for a shadow test's copy), the `arm` label of the engine's measurements.
+ARM_PARAMETER = "cube3d_arm"
 
 
 @dataclass

@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from cubeserve.engine.requests import Unavailable
 from cubeserve.serving.drain import IN_PROGRESS_METRIC, marker_path
+from cubeserve.serving.triton_metrics import locked
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -51,11 +52,8 @@ class Drain:
     (accepted, not answered yet), as the gauge `cube3d_requests_in_progress` that the drain waits
     on (summed over its series).
 
-    One series per model instance (the `instance` label), set to this process's count under a
-    lock. Never `increment` from several threads: python_backend r24.10's Metric.increment releases
-    the GIL before it writes the value into the metric's one shared-memory block
-    (src/metric.cc, SendIncrementRequest), so two threads at once corrupt it and crash
-    tritonserver; `set` keeps the GIL."""
+    One series per model instance (the `instance` label), set to this process's count under the
+    process's metrics lock (serving/triton_metrics.py says why)."""
 
     def __init__(self, args: dict):
         # A stub is a child of tritonserver; the marker names that process.
@@ -80,7 +78,7 @@ class Drain:
     def add(self, n: int) -> None:
         with self._lock:
             self._count += n
-            self.gauge.set(self._count)
+            locked(lambda: self.gauge.set(self._count))  # in order: still under self._lock
 
 
 class Reply:

@@ -30,9 +30,11 @@ import triton_python_backend_utils as pb_utils
 from cubeserve.engine.engine import Engine
 from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.engine.scheduler import EngineStats, Scheduler
+from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol
-from cubeserve.serving.protocol import CANCEL_PARAMETER, FORWARDED_PARAMETER
+from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
+from cubeserve.serving.triton_metrics import Measurements, locked
 
 CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
 
@@ -46,7 +48,9 @@ def _inputs(request) -> dict[str, np.ndarray | None]:
 
 
 class TritonStats(EngineStats):
-    """EngineStats that also updates Prometheus metrics on Triton's metrics port."""
+    """EngineStats that also updates the engine's Prometheus metrics (batch-level: tokens, steps,
+    the batch's size, waiting requests) on Triton's metrics port. Per-object measurements are
+    the `Measurements` of serving/triton_metrics.py."""
 
     def __init__(self, labels: dict[str, str]):
         super().__init__()
@@ -61,7 +65,7 @@ class TritonStats(EngineStats):
                 ("cube3d_decode_seconds_total", "Time spent in decode steps", counter),
                 ("cube3d_queue_seconds_total", "Time requests waited before joining the batch", counter),
                 ("cube3d_objects_in_flight", "Objects in the running batch", gauge),
-                ("cube3d_time_per_output_token_seconds", "Duration of the latest decode step", gauge),
+                ("cube3d_decode_step_seconds", "Duration of the latest decode step", gauge),
                 ("cube3d_requests_waiting", "Requests waiting for a slot", gauge),
                 ("cube3d_requests_dropped_total", "Requests refused (busy), expired (deadline) or cancelled "
                                                   "(client gone), by reason", counter),
@@ -76,31 +80,45 @@ class TritonStats(EngineStats):
     def on_step(self, objects, seconds):
         super().on_step(objects, seconds)
         m = self.metric
-        m["cube3d_tokens_generated_total"].increment(objects)
-        m["cube3d_decode_steps_total"].increment(1)
-        m["cube3d_decode_seconds_total"].increment(seconds)
-        m["cube3d_objects_in_flight"].set(objects)
-        m["cube3d_time_per_output_token_seconds"].set(seconds)
+
+        def update():
+            m["cube3d_tokens_generated_total"].increment(objects)
+            m["cube3d_decode_steps_total"].increment(1)
+            m["cube3d_decode_seconds_total"].increment(seconds)
+            m["cube3d_objects_in_flight"].set(objects)
+            m["cube3d_decode_step_seconds"].set(seconds)
+        locked(update)
 
     def on_admit(self, queue_seconds):
         super().on_admit(queue_seconds)
-        self.metric["cube3d_queue_seconds_total"].increment(queue_seconds)
+        locked(lambda: self.metric["cube3d_queue_seconds_total"].increment(queue_seconds))
 
     def on_in_flight(self, objects):
         super().on_in_flight(objects)
-        self.metric["cube3d_objects_in_flight"].set(objects)
+        locked(lambda: self.metric["cube3d_objects_in_flight"].set(objects))
 
     def on_complete(self):
         super().on_complete()
-        self.metric["cube3d_objects_completed_total"].increment(1)
+        locked(lambda: self.metric["cube3d_objects_completed_total"].increment(1))
 
     def on_dropped(self, reason):
         super().on_dropped(reason)
-        self.dropped[reason].increment(1)
+        locked(lambda: self.dropped[reason].increment(1))
 
     def on_waiting(self, waiting):
         super().on_waiting(waiting)
-        self.metric["cube3d_requests_waiting"].set(waiting)
+        locked(lambda: self.metric["cube3d_requests_waiting"].set(waiting))
+
+
+def mesh_quality(mesh) -> str:
+    """The `quality` label of a mesh: empty, not_watertight (an edge not shared by exactly two
+    faces, as trimesh decides, the pipeline's evaluation uses the same test) or ok."""
+    import trimesh
+
+    if mesh.empty:
+        return metric_names.MESH_EMPTY
+    closed = trimesh.Trimesh(vertices=mesh.vertices, faces=mesh.faces, process=False).is_watertight
+    return metric_names.MESH_OK if closed else metric_names.MESH_NOT_WATERTIGHT
 
 
 class EngineModel:
@@ -136,6 +154,7 @@ class EngineModel:
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
                                    stats=TritonStats(labels), graphs=graphs,
                                    max_queue=int(max_queue) if max_queue else None).start()
+        self.measurements = Measurements(args["model_name"])
         self.drain = Drain(args)
         self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
         self.forwarded_lock = threading.Lock()
@@ -149,6 +168,7 @@ class EngineModel:
         return None  # every response goes through the request's response sender
 
     def _submit(self, request):
+        started = time.monotonic()
         reply = Reply(request, self.drain)
         request_parameters = json.loads(request.parameters() or "{}")
         cancel_id = request_parameters.get(CANCEL_PARAMETER)
@@ -159,14 +179,24 @@ class EngineModel:
                 ticket.cancel()
             reply.send()
             return
-        if not request_parameters.get(FORWARDED_PARAMETER) and self.drain.draining():
-            reply.send(self.drain.refusal())
+        forwarded = bool(request_parameters.get(FORWARDED_PARAMETER))
+        arm = str(request_parameters.get(ARM_PARAMETER, "")) if forwarded else ""
+
+        def answer(outputs_or_error, outcome: str) -> None:
+            """The final answer, measured first; a request from our own client is counted here, a
+            forward by the predict model, which the client called."""
+            if not forwarded:
+                self.measurements.request(self.version, arm, outcome, time.monotonic() - started)
+            reply.send(outputs_or_error)
+
+        if not forwarded and self.drain.draining():
+            answer(self.drain.refusal(), metric_names.UNAVAILABLE)
             return
         try:
             generation, options = protocol.parse_request(_inputs(request))
             protocol.validate(generation, self.uses_bbox)
         except InvalidRequest as exc:
-            reply.send(error_response(str(exc), "invalid"))
+            answer(error_response(str(exc), "invalid"), metric_names.INVALID)
             return
 
         def on_progress(tokens: int) -> None:  # on the decode thread, between steps
@@ -188,22 +218,34 @@ class EngineModel:
                 with self.forwarded_lock:
                     self.forwarded.pop(request_id, None)
             try:
-                reply.send(response(protocol.result_outputs(future.result(), options.mesh_encoding, self.version)))
+                result = future.result()
             except CancelledError:
-                reply.send()
+                answer(None, metric_names.CANCELLED)
+                return
             except Unavailable as exc:
-                reply.send(error_response(str(exc), "unavailable"))
+                answer(error_response(str(exc), "unavailable"), metric_names.UNAVAILABLE)
+                return
             except Exception as exc:  # noqa: BLE001 - report it; never take the stub down
-                reply.send(error_response(f"generation failed: {exc}"))
+                answer(error_response(f"generation failed: {exc}"), metric_names.FAILED)
+                return
+            try:
+                outputs = response(protocol.result_outputs(result, options.mesh_encoding, self.version))
+            except Exception as exc:  # noqa: BLE001
+                answer(error_response(f"generation failed: {exc}"), metric_names.FAILED)
+                return
+            timings = result.timings
+            self.measurements.generated(self.version, arm, len(result.tokens), timings.get("tokens_s", 0.0),
+                                        timings.get("queue_s", 0.0), mesh_quality(result.mesh))
+            answer(outputs, metric_names.OK)
 
         try:
             ticket = self.scheduler.submit(generation, on_progress=on_progress if options.stream_progress else None,
                                            client_gone=client_gone, timeout=request_timeout_s(request))
         except Unavailable as exc:  # busy, or the model is being unloaded
-            reply.send(error_response(str(exc), "unavailable"))
+            answer(error_response(str(exc), "unavailable"), metric_names.UNAVAILABLE)
             return
         except Exception as exc:  # noqa: BLE001
-            reply.send(error_response(str(exc)))
+            answer(error_response(str(exc)), metric_names.FAILED)
             return
         if request_id:
             with self.forwarded_lock:

@@ -1,0 +1,96 @@
+"""The per-version measurements of serving/metrics.py, written through python_backend's custom
+metrics (imported only inside Triton).
+
+Every update goes through one lock per process: python_backend r24.10's Metric.increment,
+set and observe each write their value into one shared-memory block of the metric and message
+tritonserver (src/metric.cc, Send*Request), and two threads doing so at once corrupt it and crash
+the server. Metric objects are made on first use for each label set and kept: a family and its
+metrics must outlive the updates.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+from cubeserve.serving import metrics as names
+
+_LOCK = threading.Lock()
+
+# name -> (description, kind, buckets or None)
+_FAMILIES = {
+    names.REQUESTS: ("Requests answered, by outcome (ok, invalid, failed, unavailable, cancelled)", "COUNTER", None),
+    names.REQUEST_DURATION: ("End-to-end duration of requests that succeeded", "HISTOGRAM", names.DURATION_BUCKETS),
+    names.TIME_PER_OUTPUT_TOKEN: ("Decode time per shape token of each object", "HISTOGRAM", names.TOKEN_BUCKETS),
+    names.QUEUE_TIME: ("Time each object waited before joining the batch", "HISTOGRAM", names.QUEUE_BUCKETS),
+    names.MESHES: ("Meshes made, by quality (ok, empty, not_watertight)", "COUNTER", None),
+    names.SHADOW_REQUESTS: ("Shadow copies of requests, by outcome (or skipped)", "COUNTER", None),
+    names.SHADOW_DURATION: ("Duration of shadow copies that succeeded", "HISTOGRAM", names.DURATION_BUCKETS),
+    names.SHADOW_AGREEMENT: ("Agreement of a shadow's answer with the served one (tokens: share of equal "
+                             "tokens, greedy requests; mesh_iou: sampled requests)", "HISTOGRAM",
+                             names.AGREEMENT_BUCKETS),
+}
+
+
+class Measurements:
+    """The series of one model (its `model` label), by label set."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._families: dict[str, object] = {}
+        self._metrics: dict[tuple, object] = {}
+
+    def _metric(self, name: str, labels: dict[str, str]):
+        key = (name, *sorted(labels.items()))
+        metric = self._metrics.get(key)
+        if metric is None:
+            description, kind, buckets = _FAMILIES[name]
+            family = self._families.get(name)
+            if family is None:
+                family = self._families[name] = pb_utils.MetricFamily(
+                    name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
+            full = {"model": self.model, **labels}
+            metric = family.Metric(labels=full, buckets=list(buckets)) if buckets else family.Metric(labels=full)
+            self._metrics[key] = metric
+        return metric
+
+    def count(self, name: str, labels: dict[str, str], value: float = 1.0) -> None:
+        with _LOCK:
+            self._metric(name, labels).increment(value)
+
+    def observe(self, name: str, labels: dict[str, str], value: float) -> None:
+        with _LOCK:
+            self._metric(name, labels).observe(value)
+
+    # -- what the models record -------------------------------------------------------------------
+
+    def request(self, version, arm: str, outcome: str, seconds: float) -> None:
+        labels = {"version": str(version), "arm": arm}
+        self.count(names.REQUESTS, {**labels, "outcome": outcome})
+        if outcome == names.OK:
+            self.observe(names.REQUEST_DURATION, labels, seconds)
+
+    def generated(self, version, arm: str, tokens: int, decode_seconds: float, queue_seconds: float,
+                  quality: str) -> None:
+        labels = {"version": str(version), "arm": arm}
+        if tokens:
+            self.observe(names.TIME_PER_OUTPUT_TOKEN, labels, decode_seconds / tokens)
+        self.observe(names.QUEUE_TIME, labels, queue_seconds)
+        self.count(names.MESHES, {**labels, "quality": quality})
+
+    def shadow(self, version, baseline, outcome: str, seconds: float = 0.0) -> None:
+        labels = {"version": str(version), "baseline": str(baseline)}
+        self.count(names.SHADOW_REQUESTS, {**labels, "outcome": outcome})
+        if outcome == names.OK:
+            self.observe(names.SHADOW_DURATION, labels, seconds)
+
+    def agreement(self, version, baseline, measure: str, value: float) -> None:
+        self.observe(names.SHADOW_AGREEMENT, {"version": str(version), "baseline": str(baseline),
+                                              "measure": measure}, value)
+
+
+def locked(update) -> None:
+    """Run another metric update (the engine's own gauges and counters) under the same lock."""
+    with _LOCK:
+        update()

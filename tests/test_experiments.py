@@ -1,0 +1,244 @@
+"""A/B and shadow tests inside one real tritonserver (serving/experiment.py): sticky arms by user
+key at the configured weights, per-version and per-arm measurements, weights changed without a
+restart or a dropped request, and a shadow version that is measured and never seen by clients,
+even when it hangs or dies."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import tritonclient.http as httpclient
+
+from cube3d_client import Cube3DClient
+from cubeserve.checkpoint import write_random_weights
+from cubeserve.serving import experiment, metrics as names
+from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+from cubeserve.serving.stubs import python_stubs
+
+# Versions of cube3d_stream: 1 and 2 hold the same weights (a healthy candidate agrees with the
+# control exactly), 3 other weights (a candidate that disagrees).
+VERSIONS = {1: 0, 2: 0, 3: 7}  # version -> seed of its random weights
+
+
+@pytest.fixture(scope="module")
+def experiment_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("experiment") / "experiment.json"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, experiment_file):
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
+    for model in ("cube3d", "cube3d_stream"):
+        for v in VERSIONS:
+            if v != 1:
+                shutil.copytree(root / model / "1", root / model / str(v))
+        config = root / model / "config.pbtxt"
+        config.write_text(config.read_text().replace("latest { num_versions: 1 }", "all {}"))
+    for v, seed in VERSIONS.items():
+        write_random_weights("tiny", root / "cube3d_stream" / str(v) / "weights", seed=seed)
+    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    triton = LocalTriton(root, free_port(), free_port(), free_port(), log_path=log,
+                         extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
+                                     "--load-model=cube3d"),
+                         env={experiment.EXPERIMENT_FILE_ENV: str(experiment_file)})
+    with triton:
+        yield triton
+
+
+def set_experiment(server, body: dict | None) -> None:
+    """Reload the predict model with the experiment as its config parameter (model control)."""
+    admin = httpclient.InferenceServerClient(server.http_url)
+    try:
+        config = admin.get_model_config("cube3d")
+        config["parameters"]["experiment"] = {"string_value": json.dumps(body) if body else ""}
+        admin.load_model("cube3d", config=json.dumps(config))
+    finally:
+        admin.close()
+
+
+def samples(server) -> list[tuple[str, dict, float]]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"(cube3d_\w+)\{(.*)\} ([0-9.e+-]+)$", line)
+        if m:
+            out.append((m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))), float(m.group(3))))
+    return out
+
+
+def total(server, name: str, **labels) -> float:
+    return sum(v for n, lab, v in samples(server) if n == name and all(lab.get(k) == str(x) for k, x in labels.items()))
+
+
+def generate(server, user: str | None = None, **fields):
+    with Cube3DClient(server.http_url, "http", user=user, retries=0) as client:
+        return client.generate(fields.pop("prompt", "a chair"), resolution=fields.pop("resolution", 4), **fields)
+
+
+AB = {"name": "ab-test", "arms": [{"name": "control", "version": 1, "weight": 70},
+                                  {"name": "candidate", "version": 3, "weight": 30}]}
+
+
+def test_users_keep_their_arm_and_the_split_follows_the_weights(server):
+    set_experiment(server, AB)
+    users = [f"user-{i}" for i in range(120)]
+    with ThreadPoolExecutor(8) as pool:
+        first = dict(zip(users, pool.map(lambda u: generate(server, u), users)))
+        again = dict(zip(users[:40], pool.map(lambda u: generate(server, u), users[:40])))
+    arms = {u: (r.arm, r.model_version) for u, r in first.items()}
+    assert set(arms.values()) == {("control", "1"), ("candidate", "3")}
+    assert all(arms[u] == (r.arm, r.model_version) for u, r in again.items())  # sticky
+    expected = experiment.parse(json.dumps(AB))
+    assert all(arms[u][0] == expected.arm_for(u).name for u in users)  # any replica agrees
+    candidates = sum(a == "candidate" for a, _ in arms.values())
+    n, p = len(users), 0.3
+    assert abs(candidates - n * p) <= 3.5 * math.sqrt(n * p * (1 - p)), candidates
+    # the arms are measured apart, each under its checkpoint version
+    assert total(server, names.REQUESTS, model="cube3d", version=3, arm="candidate", outcome="ok") >= candidates
+    assert total(server, names.MESHES, version=1, arm="control") >= n - candidates
+    assert total(server, names.TIME_PER_OUTPUT_TOKEN + "_count", version=3, arm="candidate") >= candidates
+    assert total(server, names.REQUEST_DURATION + "_count", version=1, arm="control") >= n - candidates
+
+
+def test_a_user_header_over_grpc_and_a_pinned_arm(server):
+    set_experiment(server, AB)
+    user = next(u for u in (f"g{i}" for i in range(100)) if experiment.parse(json.dumps(AB)).arm_for(u).name == "candidate")
+    with Cube3DClient(server.grpc_url, "grpc", user=user, retries=0) as client:
+        assert client.generate("a lamp", resolution=4).arm == "candidate"
+    body = {"inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": ["a lamp"]},
+                       {"name": "RESOLUTION", "shape": [1], "datatype": "INT32", "data": [4]}],
+            "parameters": {experiment.PIN_ARM_KEY: "control"}}
+    reply = _post(server, body, headers={"X-Cube3D-User": user})  # the pin wins over the hash
+    outputs = {o["name"]: o["data"] for o in reply["outputs"]}
+    assert outputs["ARM"] == ["control"] and outputs["MODEL_VERSION"] == ["1"]
+    body["parameters"] = {experiment.PIN_ARM_KEY: "nope"}
+    with pytest.raises(urllib.error.HTTPError) as err:
+        _post(server, body)
+    assert err.value.code == 400 and experiment.PIN_ARM_KEY in err.value.read().decode()
+
+
+def _post(server, body: dict, headers: dict | None = None) -> dict:
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/cube3d/infer", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.loads(reply.read())
+
+
+def test_new_weights_apply_without_a_restart_or_a_dropped_request(server, experiment_file):
+    set_experiment(server, AB)
+    results, errors = [], []
+
+    def client_loop(stop):
+        i = 0
+        while not stop.is_set():
+            try:
+                results.append(generate(server, f"loop-{i % 5}"))
+            except Exception as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(exc)
+            i += 1
+
+    stop = threading.Event()
+    threads = [threading.Thread(target=client_loop, args=(stop,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    everyone_on_candidate = {**AB, "arms": [{**AB["arms"][0], "weight": 0}, AB["arms"][1]]}
+    set_experiment(server, everyone_on_candidate)  # through model control: reloads cube3d
+    time.sleep(2)
+    experiment_file.write_text(json.dumps({**AB, "name": "from-file", "arms": [
+        {"name": "only", "version": 2, "weight": 1}]}))  # the file wins while it exists
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    try:
+        assert not errors, errors[:3]
+        assert len(results) > 10
+        assert generate(server, "loop-0").arm == "only" and generate(server, "x").model_version == "2"
+        experiment_file.unlink()
+        assert generate(server, "loop-0").arm == "candidate"  # the parameter again
+        experiment_file.write_text("{not json")  # a broken file keeps the last good experiment
+        assert generate(server, "loop-0").arm == "candidate"
+    finally:
+        experiment_file.unlink(missing_ok=True)
+
+
+def test_a_shadow_is_measured_and_never_seen(server):
+    before_tokens = total(server, names.SHADOW_AGREEMENT + "_count", version=2, measure="tokens")
+    set_experiment(server, {"name": "shadow", "arms": [{"name": "control", "version": 1, "weight": 1}],
+                            "shadow": {"version": 2, "share": 1.0}})
+    greedy = [generate(server, f"s{i}") for i in range(6)]
+    sampled = [generate(server, f"t{i}", top_p=0.9, seed=i) for i in range(3)]
+    assert all(r.arm == "control" and r.model_version == "1" for r in greedy + sampled)
+    deadline = time.monotonic() + 60
+    while total(server, names.SHADOW_AGREEMENT + "_count", version=2, measure="mesh_iou") < 3:
+        assert time.monotonic() < deadline, samples(server)
+        time.sleep(0.5)
+    # versions 1 and 2 hold the same weights: identical tokens, identical meshes
+    assert total(server, names.SHADOW_AGREEMENT + "_count", version=2, measure="tokens") - before_tokens >= 6
+    identical = total(server, names.SHADOW_AGREEMENT + "_bucket", version=2, measure="tokens", le="1")
+    below = total(server, names.SHADOW_AGREEMENT + "_bucket", version=2, measure="tokens", le="0.999")
+    assert identical - below >= 6 and below == 0
+    iou_below_one = total(server, names.SHADOW_AGREEMENT + "_bucket", version=2, measure="mesh_iou", le="0.999")
+    assert iou_below_one == 0
+    assert total(server, names.SHADOW_REQUESTS, version=2, baseline=1, outcome="ok") >= 9
+    # the shadow's generations are the engine's too, under arm "shadow", apart from served traffic
+    assert total(server, names.MESHES, version=2, arm="shadow") >= 9
+
+
+def test_a_disagreeing_shadow_is_measured_as_such(server):
+    set_experiment(server, {"name": "shadow3", "arms": [{"name": "control", "version": 1, "weight": 1}],
+                            "shadow": {"version": 3, "share": 1.0}})
+    for i in range(3):
+        assert generate(server, f"d{i}").model_version == "1"
+    deadline = time.monotonic() + 60
+    while total(server, names.SHADOW_AGREEMENT + "_count", version=3, measure="tokens") < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert total(server, names.SHADOW_AGREEMENT + "_bucket", version=3, measure="tokens", le="0.999") >= 3
+
+
+def _engine_pid(server, version: int) -> int:
+    pids = [p for p, (model, v) in python_stubs(server.process.pid).items() if model == "cube3d_stream" and v == str(version)]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def test_a_hung_then_dead_shadow_never_fails_served_requests(server):
+    set_experiment(server, {"name": "bad-shadow", "arms": [{"name": "control", "version": 1, "weight": 1}],
+                            "shadow": {"version": 3, "share": 1.0, "max_in_flight": 2}})
+    shadow = _engine_pid(server, 3)
+
+    def copies(*outcomes):
+        return sum(total(server, names.SHADOW_REQUESTS, version=3, outcome=o) for o in outcomes)
+
+    before_ok, before_bad = copies("ok"), copies("failed", "unavailable", "skipped")
+    os.kill(shadow, signal.SIGSTOP)  # the shadow hangs (Triton finds its stub unhealthy)
+    try:
+        served = [generate(server, f"h{i}") for i in range(5)]
+        assert all(r.model_version == "1" and r.arm == "control" for r in served)
+        deadline = time.monotonic() + 30  # each copy ends in its own time, after the served answer
+        while copies("failed", "unavailable", "skipped") - before_bad < 5:
+            assert time.monotonic() < deadline, samples(server)
+            time.sleep(0.5)
+        assert copies("ok") == before_ok
+    finally:
+        os.kill(shadow, signal.SIGKILL)  # then it dies
+        os.kill(shadow, signal.SIGCONT)
+    before_gone = copies("unavailable")
+    served = [generate(server, f"k{i}") for i in range(3)]
+    assert all(r.model_version == "1" for r in served)  # still serving
+    deadline = time.monotonic() + 30
+    while copies("unavailable") - before_gone < 1:  # a copy to a dead engine: ended, not waited on forever
+        assert time.monotonic() < deadline, samples(server)
+        time.sleep(0.5)
