@@ -146,7 +146,7 @@ def test_slot_state_carries_no_autograd_history(make_engine):
         slot = pool.admit([Req("a chair")])[0]
         pool.release(slot)
     assert pool.x.grad_fn is None and not pool.x.requires_grad
-    assert all(not t.requires_grad for t in (pool._bos, pool.scale, pool.positions))
+    assert all(not t.requires_grad for t in (pool._bos, pool.sampling.scale, pool.positions))
 
 
 def test_past_max_queue_requests_are_refused_at_once_and_taken_again_later(make_engine):

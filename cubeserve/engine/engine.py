@@ -23,7 +23,7 @@ from cubeserve.engine import fast_paths, geometry
 from cubeserve.engine.cache import prefill_condition
 from cubeserve.engine.requests import GenerationRequest
 from cubeserve.engine.runner import DecodeRunner
-from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
+from cubeserve.engine.sampling import SamplingParams
 from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT
 from cubeserve.model.layers import cast_linears
 from cubeserve.model.text import TextEncoder
@@ -168,19 +168,14 @@ class Engine:
         uncond = self.condition([""] * b, [None] * b)
         cond_rows = torch.cat([cond, uncond], dim=0)
         dev = self.device
-        scale = torch.tensor([r.guidance_scale for r in requests], device=dev)
-        greedy = torch.tensor([r.greedy for r in requests], device=dev)
-        temperature = torch.tensor([r.temperature or 1.0 for r in requests], device=dev)
-        top_p = torch.tensor([r.top_p if r.top_p is not None else 1.0 for r in requests], device=dev)
-        seed = torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev)
+        sampling = SamplingParams.of(requests, dev)
         seq = torch.full((2 * b, 1), self.cfg.gpt.bos_id, dtype=torch.int64, device=dev)
         tokens, all_logits = [], []
         for step in range(n):
             logits = self.gpt.forward_uncached(self.gpt.embed_tokens(seq), cond_rows, self.single_block_mode,
                                                compute_dtype=self.dtype)[:, -1, :codes]
             steps = torch.full((b,), step, dtype=torch.int64, device=dev)
-            guided = apply_guidance(logits[:b], logits[b:], guidance_weights(scale, steps, n))
-            ids = sample(guided, greedy, temperature, top_p, seed, steps)
+            guided, ids = sampling.next_tokens(logits[:b], logits[b:], steps, n)
             all_logits.append(guided)
             tokens.append(ids)
             seq = torch.cat([seq, ids.repeat(2)[:, None]], dim=1)

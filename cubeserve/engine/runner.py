@@ -31,7 +31,7 @@ import torch
 from cubeserve.config import ModelConfig
 from cubeserve.engine.cache import KVCache, prefill_condition
 from cubeserve.engine.requests import GenerationRequest
-from cubeserve.engine.sampling import apply_guidance, guidance_weights, sample
+from cubeserve.engine.sampling import SamplingParams
 from cubeserve.model.gpt import DualStreamGPT, SingleBlockMode
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,7 @@ class DecodeRunner:
         self.x = torch.zeros(rows, cfg.gpt.n_embd, dtype=torch.float32, device=device)  # next inputs
         self.tokens = torch.zeros(max_objects, n, dtype=torch.int64, device=device)
         self.busy = torch.zeros(max_objects, dtype=torch.bool, device=device)
-        self.scale = torch.zeros(max_objects, dtype=torch.float32, device=device)
-        self.greedy = torch.ones(max_objects, dtype=torch.bool, device=device)
-        self.temperature = torch.ones(max_objects, dtype=torch.float32, device=device)
-        self.top_p = torch.ones(max_objects, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(max_objects, dtype=torch.int64, device=device)
+        self.sampling = SamplingParams.of([GenerationRequest("")] * max_objects, device)
         # Host mirrors: tokens generated so far per slot (None = free) and who samples.
         self.generated: list[int | None] = [None] * max_objects
         self._samples: list[bool] = [False] * max_objects
@@ -107,6 +103,7 @@ class DecodeRunner:
         if len(requests) > len(free):
             raise RuntimeError(f"{len(requests)} requests but only {len(free)} free slots")
         slots = free[: len(requests)]
+        self.sampling.put(slots, SamplingParams.of(requests, self.x.device))
         cond = self.condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
         cond_kv = prefill_condition(self.gpt, cond, self.dtype)
         for i, (s, r) in enumerate(zip(slots, requests)):
@@ -114,11 +111,6 @@ class DecodeRunner:
             self.cache.set_condition(slice(2 * s + 1, 2 * s + 2), self.uncond_kv)
             self.positions[2 * s: 2 * s + 2] = 0
             self.x[2 * s: 2 * s + 2] = self._bos
-            self.scale[s] = r.guidance_scale
-            self.greedy[s] = r.greedy
-            self.temperature[s] = r.temperature or 1.0
-            self.top_p[s] = r.top_p if r.top_p is not None else 1.0
-            self.seed[s] = r.seed
             self.busy[s] = True
             self.generated[s] = 0
             self._samples[s] = not r.greedy
@@ -144,9 +136,7 @@ class DecodeRunner:
         logits = self.gpt.decode(self.x[:rows], step_keys)
         pair = logits[:, : self.codes].view(k, 2, self.codes)
         step = self.positions[0:rows:2]
-        guided = apply_guidance(pair[:, 0], pair[:, 1], guidance_weights(self.scale[:k], step, self.num_tokens))
-        ids = sample(guided, self.greedy[:k], self.temperature[:k], self.top_p[:k], self.seed[:k], step,
-                     any_sampling=any_sampling)
+        guided, ids = self.sampling[:k].next_tokens(pair[:, 0], pair[:, 1], step, self.num_tokens, any_sampling)
         busy = self.busy[:k]
         slot_ids = torch.arange(k, device=ids.device)
         self.tokens[slot_ids, step] = torch.where(busy, ids, self.tokens[slot_ids, step])

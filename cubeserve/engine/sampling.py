@@ -7,7 +7,11 @@ can later run inside a captured CUDA graph (no generator state to carry).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
+
+from cubeserve.engine.requests import GenerationRequest
 
 _M32 = 0xFFFFFFFF
 
@@ -72,3 +76,41 @@ def sample(logits: torch.Tensor, greedy: torch.Tensor, temperature: torch.Tensor
     score = score.masked_fill(~keep, float("-inf"))
     sampled = order.gather(-1, score.argmax(dim=-1, keepdim=True)).squeeze(-1)
     return torch.where(greedy, argmax, sampled)
+
+
+@dataclass
+class SamplingParams:
+    """Per-object guidance scale and sampling parameters as device tensors [B]."""
+
+    scale: torch.Tensor
+    greedy: torch.Tensor
+    temperature: torch.Tensor  # 1.0 where unset
+    top_p: torch.Tensor  # 1.0 (keep everything) where unset
+    seed: torch.Tensor
+
+    @classmethod
+    def of(cls, requests: list[GenerationRequest], device) -> "SamplingParams":
+        return cls(
+            scale=torch.tensor([r.guidance_scale for r in requests], dtype=torch.float32, device=device),
+            greedy=torch.tensor([r.greedy for r in requests], dtype=torch.bool, device=device),
+            temperature=torch.tensor([r.temperature or 1.0 for r in requests], dtype=torch.float32, device=device),
+            top_p=torch.tensor([r.top_p if r.top_p is not None else 1.0 for r in requests],
+                               dtype=torch.float32, device=device),
+            seed=torch.tensor([r.seed for r in requests], dtype=torch.int64, device=device))
+
+    def __getitem__(self, rows) -> "SamplingParams":
+        return SamplingParams(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def put(self, rows: list[int], values: "SamplingParams") -> None:
+        """Write `values` into `rows` in place (CUDA graphs hold these tensors)."""
+        index = torch.tensor(rows, dtype=torch.int64, device=self.seed.device)
+        for f in fields(self):
+            getattr(self, f.name)[index] = getattr(values, f.name)
+
+    def next_tokens(self, cond: torch.Tensor, uncond: torch.Tensor, step: torch.Tensor, num_tokens: int,
+                    any_sampling: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Guided logits [B, V] and the next token ids [B] from the cond and uncond rows' logits
+        at each object's `step`."""
+        guided = apply_guidance(cond, uncond, guidance_weights(self.scale, step, num_tokens))
+        return guided, sample(guided, self.greedy, self.temperature, self.top_p, self.seed, step,
+                              any_sampling=any_sampling)
