@@ -121,13 +121,19 @@ def register(registry_uri: str, model_name: str, model_store: str, triton_versio
 
 def roll_out(target: str, registry_uri: str, model_name: str, version: str, canary_percent: int,
              soak_requests: int, soak_seconds: float, prompts: list, triton_url: str, model_store: str,
-             namespace: str, isvc: str, pipeline_run_id: str) -> dict:
-    """Canary, soak, promote (alias champion moves) or roll back; the decision is tagged."""
+             namespace: str, isvc: str, pipeline_run_id: str, prometheus_url: str, analysis_windows: int,
+             analysis_window_seconds: float, analysis_thresholds: dict, metrics_selector: str, shadow_share: float,
+             shadow_seconds: float) -> dict:
+    """Canary (after a shadow on the local target), soak, analysis windows from Prometheus, then
+    promote (alias champion moves) or roll back; the decision and the figures are tagged."""
+    from cubeserve.pipeline.serving import Gate
     from cubeserve.pipeline.serving import roll_out as run
 
+    gate = Gate(prometheus_url, analysis_windows, analysis_window_seconds, shadow_share, shadow_seconds,
+                dict(analysis_thresholds), metrics_selector)
     result = run(target, registry_uri, model_name, version, canary_percent, soak_requests, soak_seconds,
                  list(prompts), triton_url=triton_url, model_store=model_store, namespace=namespace, isvc=isvc,
-                 pipeline_run_id=pipeline_run_id)
+                 pipeline_run_id=pipeline_run_id, gate=gate)
     print(f"{model_name} version {version}: {result['decision']} ({result['reason']})")
     return result
 
@@ -212,6 +218,13 @@ def build(image: str):
         soak_seconds: float = 300.0,
         namespace: str = "",
         isvc: str = "cube3d",
+        prometheus_url: str = "",
+        analysis_windows: int = 3,
+        analysis_window_seconds: float = 300.0,
+        analysis_thresholds: dict = {},
+        metrics_selector: str = "",
+        shadow_share: float = 0.1,
+        shadow_seconds: float = 300.0,
     ):
         """Validate, evaluate, gate, package, register and roll out a Cube 3D checkpoint.
 
@@ -237,6 +250,13 @@ def build(image: str):
             soak_seconds: How long the canary runs before the decision.
             namespace: The InferenceService's namespace (target kserve; empty = the run's namespace).
             isvc: The InferenceService's name (target kserve).
+            prometheus_url: Prometheus scraping the servers' metrics port, e.g. http://prometheus.monitoring.svc:9090; empty = no analysis, the soak alone decides.
+            analysis_windows: Analysis windows after the canary starts: any failed window rolls back; the last one must pass (not enough data rolls back).
+            analysis_window_seconds: Length of each analysis window (traffic sent by the step on target local; the users' traffic on kserve).
+            analysis_thresholds: Gate limits of cubeserve rollout analyze, e.g. {"max_error_rate": 0.05, "max_p95_ratio": 1.5, "min_requests": 20}; the others keep their defaults.
+            metrics_selector: More Prometheus label matchers for the version's series, e.g. namespace="models".
+            shadow_share: Target local: share of requests copied to the new version before the canary (0 = no shadow stage).
+            shadow_seconds: Target local: how long the shadow stage runs before its analysis.
         """
         run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
         done = c["finish"](registry_uri=registry_uri, model_name=model_name, pipeline_run_id=run_id, target=target,
@@ -249,7 +269,11 @@ def build(image: str):
             rollout_args = dict(target=target, registry_uri=registry_uri, model_name=model_name,
                                 canary_percent=canary_percent, soak_requests=soak_requests,
                                 soak_seconds=soak_seconds, prompts=prompts, triton_url=triton_url,
-                                model_store=model_store, namespace=namespace, isvc=isvc, pipeline_run_id=run_id)
+                                model_store=model_store, namespace=namespace, isvc=isvc, pipeline_run_id=run_id,
+                                prometheus_url=prometheus_url, analysis_windows=analysis_windows,
+                                analysis_window_seconds=analysis_window_seconds,
+                                analysis_thresholds=analysis_thresholds, metrics_selector=metrics_selector,
+                                shadow_share=shadow_share, shadow_seconds=shadow_seconds)
             with dsl.If(action == "new", name="new-checkpoint"):
                 evaluate_args = dict(checkpoint=checkpoint, prompts=prompts, resolution=resolution, device=device,
                                      heldout_shapes=heldout_shapes, registry_uri=registry_uri,

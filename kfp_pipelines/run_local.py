@@ -4,8 +4,8 @@
 
 It starts what a cluster would provide, each as its own process on 127.0.0.1, and stops them at
 the end: an S3 object store (`rclone serve s3`), the MLflow tracking server with the flags of
-k8s/mlflow/mlflow.yaml, and a tritonserver with explicit model control (the roll-out's "local"
-target). Their data stays in STATE (s3/, mlflow/), so the next run finds this run's champion.
+k8s/mlflow/mlflow.yaml, a tritonserver with explicit model control (the roll-out's "local"
+target) and a Prometheus scraping its metrics port (the roll-out's analysis windows). Their data stays in STATE (s3/, mlflow/), so the next run finds this run's champion.
 A checkpoint folder is first uploaded to the object store (s3://cube-serve/checkpoints/...), as
 a user would upload it; then the compiled pipeline (the same YAML the Kubeflow UI runs, with the
 image `cube-serve:local`, which here is this Python environment) runs with every step in its own
@@ -28,6 +28,11 @@ BUCKET = "cube-serve"
 MODEL_STORE = f"s3://{BUCKET}/models/cube3d"
 PIPELINE_ROOT = f"s3://{BUCKET}/pipeline-root"
 DEFAULT_STATE = Path("outputs") / "pipeline"
+SCRAPE_INTERVAL_S = 2.0
+# The roll-out's promotion gate on this machine: short stages with the step's own traffic (two
+# clients), and a minimum of requests that the demo model reaches on 2 CPU cores in a window.
+LOCAL_GATE = {"analysis_windows": 2, "analysis_window_seconds": 20.0, "shadow_share": 0.5, "shadow_seconds": 15.0,
+              "canary_percent": 50, "analysis_thresholds": {"min_requests": 5}}
 
 
 def upload_checkpoint(checkpoint: str) -> str:
@@ -52,15 +57,21 @@ def upload_checkpoint(checkpoint: str) -> str:
 class LocalCluster:
     """The object store, the MLflow server and a tritonserver, started for one or more runs."""
 
-    def __init__(self, state: str | Path, triton_url: str = ""):
+    def __init__(self, state: str | Path, triton_url: str = "", prometheus_url: str = "",
+                 defaults: dict | None = None):
+        """`triton_url` / `prometheus_url`: use these instead of starting them (a server given
+        without a Prometheus: no analysis windows). `defaults`: pipeline parameters of every run
+        (over LOCAL_GATE)."""
         self.state = Path(state).resolve()
         self.triton_url = triton_url
+        self.prometheus_url = prometheus_url
+        self.defaults = {**LOCAL_GATE, **(defaults or {})}
         self.server = None  # the tritonserver started here (none with triton_url)
         self._stack = ExitStack()
 
     def __enter__(self) -> "LocalCluster":
         from cubeserve.serving.local_triton import LocalTriton, free_port
-        from kfp_pipelines.local_services import MlflowServer, ObjectStore
+        from kfp_pipelines.local_services import MlflowServer, ObjectStore, Prometheus
 
         self.state.mkdir(parents=True, exist_ok=True)
         try:
@@ -82,6 +93,10 @@ class LocalCluster:
                                      extra_args=("--model-control-mode=explicit",))
                 self.server = self._stack.enter_context(server)
                 self.triton_url = self.server.http_url
+                if not self.prometheus_url:
+                    prometheus = Prometheus(self.state / "prometheus", [f"127.0.0.1:{server.metrics_port}"],
+                                            SCRAPE_INTERVAL_S)
+                    self.prometheus_url = self._stack.enter_context(prometheus).url
         except BaseException:
             self._stack.close()
             raise
@@ -108,7 +123,8 @@ class LocalCluster:
         compiled = compile_to(LOCAL_IMAGE, self.state / "pipeline.yaml")
         arguments = {"checkpoint": upload_checkpoint(checkpoint), "model_store": MODEL_STORE,
                      "registry_uri": self.mlflow.uri, "target": "local", "triton_url": self.triton_url,
-                     "instance_kind": "cpu", "soak_seconds": 0.0, **params}
+                     "instance_kind": "cpu", "soak_seconds": 0.0, "prometheus_url": self.prometheus_url,
+                     **self.defaults, **params}
         return self.runner(compiled, secrets).run(arguments)
 
 
@@ -120,7 +136,8 @@ def summary(registry_uri: str, model_name: str = "cube3d") -> dict:
     return {"registry_uri": registry_uri, "versions": [
         {"version": v.version, "aliases": list(v.aliases), "source": v.source,
          "triton_version": v.tags.get("triton_version"), "sha256": v.tags.get("sha256"),
-         "decision": v.tags.get("rollout.decision"), "reason": v.tags.get("rollout.reason")} for v in versions]}
+         "decision": v.tags.get("rollout.decision"), "reason": v.tags.get("rollout.reason"),
+         "analysis": json.loads(v.tags.get("rollout.analysis") or "null")} for v in versions]}
 
 
 def main(argv=None) -> int:
@@ -130,6 +147,8 @@ def main(argv=None) -> int:
                         help="the object store's and the registry's data (default: %(default)s)")
     parser.add_argument("--triton-url", default="", help="REST host:port of a server with explicit model "
                                                          "control (default: start one)")
+    parser.add_argument("--prometheus-url", default="", help="Prometheus scraping that server (default: start one "
+                                                             "with the server; none with --triton-url)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
                         help="a pipeline parameter, e.g. --param min_token_agreement=0.9 (repeatable)")
     args = parser.parse_args(argv)
@@ -142,7 +161,7 @@ def main(argv=None) -> int:
             params[name] = json.loads(value)
         except json.JSONDecodeError:
             params[name] = value
-    with LocalCluster(args.state, args.triton_url) as cluster:
+    with LocalCluster(args.state, args.triton_url, args.prometheus_url) as cluster:
         result = cluster.run(args.checkpoint, **params)
         report = {"run_id": result.run_id, "state": result.state, "error": result.error,
                   "steps": {path: t.state for path, t in result.tasks.items()},
