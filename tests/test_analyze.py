@@ -328,3 +328,100 @@ def test_a_bad_query_reports_prometheus_own_error(prometheus):
         client.query("sum(")
     assert not math.isnan(float(client.query("1 + 1")[0]["value"][1]))
 
+
+# -- end to end: a real tritonserver with two candidates behind an experiment --------------------
+
+def empty_mesh_checkpoint(source, out):
+    """A copy of the checkpoint `source` whose occupancy head says "outside" everywhere: it
+    loads, generates tokens at the usual speed and answers every request with an empty mesh."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from cubeserve.checkpoint import TOKENIZER_FILE
+
+    shutil.copytree(source, out)
+    tensors = load_file(str(out / TOKENIZER_FILE))
+    tensors["occupancy_decoder.c_head.weight"] = torch.zeros_like(tensors["occupancy_decoder.c_head.weight"])
+    tensors["occupancy_decoder.c_head.bias"] = torch.full_like(tensors["occupancy_decoder.c_head.bias"], -10.0)
+    save_file(tensors, str(out / TOKENIZER_FILE), metadata={"format": "pt"})
+    return out
+
+
+E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY = 1, 2, 3
+E2E_TRAFFIC_S = 10.0
+E2E_REQUESTS = 50  # 10 or more for the 20 % arm: past min_requests 5 with room for the random split
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Versions 1 (the demo model), 2 (its empty-mesh copy) and 3 (the demo model again) of one
+    model store, loaded into a tritonserver through model control with an experiment splitting
+    unpinned requests 40/20/40; a Prometheus scraping its metrics port; two clients sending
+    traffic for E2E_TRAFFIC_S and until E2E_REQUESTS were sent."""
+    from cubeserve.pipeline.serving import send_traffic, serve_versions
+    from cubeserve.serving.experiment import Arm, Experiment
+    from cubeserve.serving.local_triton import DEMO_MODEL, LocalTriton
+    from cubeserve.serving.repository import build_version_repository
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    store = tmp / "store"
+    hollow = empty_mesh_checkpoint(DEMO_MODEL, tmp / "hollow")
+    for version, weights in ((E2E_BASELINE, DEMO_MODEL), (E2E_HOLLOW, hollow), (E2E_HEALTHY, DEMO_MODEL)):
+        build_version_repository(weights, version, store / str(version), "cpu")
+    (tmp / "repository").mkdir()
+    experiment = Experiment("gate", (Arm("control", E2E_BASELINE, 40), Arm("hollow", E2E_HOLLOW, 20),
+                                     Arm("healthy", E2E_HEALTHY, 40))).to_json()
+    with LocalTriton(tmp / "repository", free_port(), free_port(), free_port(), log_path=tmp / "tritonserver.log",
+                     extra_args=("--model-control-mode=explicit",)) as server:
+        serve_versions(server.http_url, str(store), [E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY], experiment)
+        with PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{server.metrics_port}"]) as prometheus:
+            client = a.PrometheusClient(prometheus.url)
+            warm_up(server.http_url, [E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY])
+            warmed = time.time()
+            while (client.latest_scrape() or 0) < warmed + 1:  # the window starts after the warm-up
+                time.sleep(0.2)
+            started = time.time()
+            counts = send_traffic(server.http_url, ["a small ball", "a tall thin cylinder", "a round coffee table"],
+                                  E2E_TRAFFIC_S, clients=2, requests=E2E_REQUESTS)
+            ended = time.time()
+            while (client.latest_scrape() or 0) < ended + 1:
+                time.sleep(0.2)
+            yield client, counts, client.latest_scrape() - started
+
+
+# The default ratios (1.5x) compare p95s of a few dozen requests; on this 2-core machine, shared
+# by three engines and other jobs, a healthy copy's p95 varied by up to 2.5x from run to run.
+E2E_LIMITS = a.Thresholds(min_requests=5, max_p95_ratio=3.0, max_time_per_token_ratio=3.0)
+
+
+def warm_up(url: str, versions: list[int]) -> None:
+    """Two requests pinned to each version: an engine's first requests pay one-time costs
+    (allocations, packed weights) that are no figure of the version."""
+    from cube3d_client import Cube3DClient
+
+    for version in versions:
+        with Cube3DClient(url, "http", model_version=str(version)) as c:
+            for seed in range(2):
+                c.generate("a small ball", seed=seed, resolution=4)
+
+
+def test_e2e_the_healthy_candidate_passes_from_the_servers_own_metrics(served):
+    client, counts, window = served
+    assert counts["sent"] >= E2E_REQUESTS and counts["failed"] == 0, counts
+    result = a.analyze(client, E2E_HEALTHY, E2E_BASELINE, window, E2E_LIMITS)
+    assert result.result == a.PASS, result.report()
+    c, b = result.candidate, result.baseline
+    assert c.error_rate == 0.0 and c.empty_mesh_rate == 0.0 and c.p95_seconds > 0 and c.time_per_token_p95 > 0
+    # Every request went to one of the three versions.
+    total = sum(f.requests for f in (c, b, client.figures(E2E_HOLLOW, window, result.at)))
+    assert total == pytest.approx(counts["sent"], rel=0.25)
+
+
+def test_e2e_the_empty_mesh_candidate_fails_with_its_figures(served):
+    client, _, window = served
+    result = a.analyze(client, E2E_HOLLOW, E2E_BASELINE, window, E2E_LIMITS)
+    assert result.result == a.FAIL, result.report()
+    assert result.candidate.empty_mesh_rate == 1.0 and result.baseline.empty_mesh_rate == 0.0
+    assert any(r.startswith("empty-mesh rate 1 > 0.05") for r in result.reasons), result.reasons

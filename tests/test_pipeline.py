@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -39,8 +41,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
+    # The soak alone decides by default here (no analysis windows: each costs a minute of
+    # traffic); the runs that test the promotion gate pass GATE.
+    with LocalCluster(tmp_path_factory.mktemp("cluster"), defaults={"analysis_windows": 0}) as c:
         yield c
+
+
+# The promotion gate for the tests: short stages, and ratio limits for a shared 2-core machine
+# (p95s of a few dozen requests of two equal models differ by up to 2.5x there).
+GATE = {"analysis_windows": 2, "analysis_window_seconds": 10.0, "shadow_share": 0.5, "shadow_seconds": 10.0,
+        "canary_percent": 50, "analysis_thresholds": {"min_requests": 5, "max_p95_ratio": 3.0,
+                                                      "max_time_per_token_ratio": 3.0}}
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +166,22 @@ def test_a_run_failing_after_register_clears_its_challenger_and_a_rerun_resumes(
     assert v2.tags["rollout.reason"] == f"pipeline run {broken.run_id} ended FAILED"
     assert registry(cluster).get_run(v2.run_id).status == "FAILED"
     assert_champion_serving(cluster, "1")  # the exit handler cleared the challenger
-    # The same checkpoint again resumes the roll-out of version 2 (no second package or version).
-    resumed = cluster.run(str(other))
+    # The same checkpoint again resumes the roll-out of version 2 (no second package or version),
+    # through the promotion gate this time: shadow, canary, two analysis windows against version 1.
+    resumed = cluster.run(str(other), **GATE)
     assert resumed.state == SUCCEEDED, resumed.error
     assert resumed.task("validate").outputs["action"] == "resume" and resumed.task("validate").outputs["version"] == "2"
     assert not resumed.ran("package") and resumed.ran("roll-out-2")
-    assert resumed.task("roll-out-2").outputs["Output"]["decision"] == "promoted"
+    decision = resumed.task("roll-out-2").outputs["Output"]
+    assert decision["decision"] == "promoted", decision
+    assert decision["reason"] == "2 analysis windows of 10 s passed; replaced version 1"
+    analysis = json.loads(registry(cluster).get("2").tags["rollout.analysis"])
+    assert [w["stage"] for w in analysis] == ["shadow", "analysis 1", "analysis 2"]
+    assert [w["result"] for w in analysis][1:] == ["pass", "pass"]
+    for window in analysis[1:]:  # the figures of both arms, from the server's metrics via Prometheus
+        assert window["candidate"]["version"] == "2" and window["baseline"]["version"] == "1"
+        assert window["candidate"]["requests"] >= 5 and window["candidate"]["error_rate"] == 0
+        assert window["candidate"]["empty_mesh_rate"] == 0 and window["baseline"]["p95_seconds"] > 0
     assert [v.version for v in registry(cluster).versions()] == ["1", "2"]
     assert steps.store_versions(MODEL_STORE).keys() == {1, 2}
     assert_champion_serving(cluster, "2")
@@ -178,6 +199,33 @@ def test_a_canary_that_fails_its_soak_on_its_own_is_rolled_back(cluster, first_r
     new = registry(cluster).versions()[-1]
     assert new.tags["rollout.decision"] == "rolled_back" and CHAMPION not in new.aliases
     assert_champion_serving(cluster, champion)
+
+
+def test_a_candidate_that_fails_the_analysis_is_rolled_back_automatically(cluster, first_run, tmp_path):
+    """A checkpoint whose every mesh is empty, let through the evaluation gate and the soak
+    (min_valid_share 0, no soak requests): its shadow's figures in Prometheus fail the gate, and
+    the roll-out rolls it back by itself with the figures on the version."""
+    from test_analyze import empty_mesh_checkpoint
+
+    champion = registry(cluster).by_alias(CHAMPION)
+    hollow = empty_mesh_checkpoint(write_random_weights("tiny", tmp_path / "source", seed=6), tmp_path / "hollow")
+    result = cluster.run(str(hollow), min_valid_share=0.0, soak_requests=0, **GATE)
+    assert result.state == SUCCEEDED, result.error  # a rollback is a decision, not a failure
+    decision = result.task("roll-out").outputs["Output"]
+    new = registry(cluster).versions()[-1]
+    assert decision["decision"] == "rolled_back", decision
+    # The shadow stage finds it (when its random share of copies reached min_requests, else the
+    # first canary window does); no window passes it.
+    assert re.match(rf"(shadow of version {new.tags['triton_version']}|analysis window 1 of 2) failed: fail: ",
+                    decision["reason"]), decision["reason"]
+    assert "empty-mesh rate 1 > 0.05" in decision["reason"]
+    assert decision["reason"].endswith(f"serving version {champion.triton_version} again")
+    windows = json.loads(new.tags["rollout.analysis"])
+    assert windows[-1]["stage"] in ("shadow", "analysis 1") and windows[-1]["result"] == "fail"
+    assert "pass" not in [w["result"] for w in windows]
+    assert windows[-1]["candidate"]["empty_mesh_rate"] == 1.0 and windows[-1]["baseline"]["empty_mesh_rate"] == 0.0
+    assert new.tags["rollout.decision"] == "rolled_back" and CHAMPION not in new.aliases
+    assert_champion_serving(cluster, champion.version)
 
 
 # -- the KServe target, against the cluster stand-in of tests/test_rollout.py -------------------------
@@ -215,6 +263,63 @@ def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_be
         assert stub.world.kserve.deleted == [f"cube3d-v{candidate.triton_version}-predictor"]
         assert reg.by_alias(CHAMPION).version == champion and reg.by_alias(CHALLENGER) is None
     finally:
+        stub.close()
+
+
+def test_kserve_target_rolls_back_a_ready_canary_that_fails_the_analysis(cluster, first_run, tmp_path, monkeypatch):
+    """The canary becomes ready, then its analysis window, queried by version label from a real
+    Prometheus (scraping a synthetic exporter of the servers' series, tests/test_analyze.py),
+    finds a third of its requests failing: the step rolls it back through the Rollout object."""
+    import threading
+    import time
+
+    from prometheus_server import PrometheusServer
+    from test_analyze import SyntheticServer
+    from test_rollout import ISVC_PATH, VERSIONS_PATH, StubApiServer, World, overlay_isvc
+
+    from cubeserve.serving import metrics as m
+
+    reg = registry(cluster)
+    champion = reg.by_alias(CHAMPION)
+    candidate = next(v for v in reversed(reg.versions()) if v.version != champion.version)
+    isvc = overlay_isvc("raw")
+    isvc["spec"]["predictor"]["model"]["storageUri"] = f"{MODEL_STORE}/{champion.triton_version}/"
+    stub = StubApiServer(World(isvc=isvc))
+    stub.objects[VERSIONS_PATH]["data"] = {"baseUri": MODEL_STORE,
+                                           "versions": f"{champion.triton_version} {candidate.triton_version}"}
+    exporter = SyntheticServer()
+    prometheus = PrometheusServer(tmp_path / "prometheus", [exporter.target]).start()
+    try:
+        monkeypatch.setenv("KUBECONFIG", str(stub.kubeconfig(tmp_path / "kubeconfig")))
+        gate = serving.Gate(prometheus.url, windows=1, window_seconds=4.0, thresholds={"min_requests": 5})
+        outcome = {}
+        step = threading.Thread(target=lambda: outcome.update(serving.roll_out(
+            "kserve", cluster.mlflow.uri, "cube3d", candidate.version, 10, 0, 2.0, ["a cup"], namespace="models",
+            isvc="cube3d", gate=gate)))
+        step.start()
+        while not stub.patches(ISVC_PATH):  # the canary is patched in: its pods start
+            time.sleep(0.05)
+        stub.world.kserve.start_pods()
+        i = 0
+        while step.is_alive():  # the users' traffic: the canary fails one request in three
+            exporter.request(str(champion.triton_version), m.OK, 0.8, 0.01)
+            exporter.request(str(candidate.triton_version), m.FAILED if i % 3 == 0 else m.OK, 0.8, 0.01)
+            i += 1
+            time.sleep(0.05)
+        step.join()
+        assert outcome["decision"] == "rolled_back", outcome
+        assert outcome["reason"].startswith(f"canary of version {candidate.triton_version} at 10%: analysis window "
+                                            f"1 of 1 failed: fail: ") and "error rate 0.3" in outcome["reason"]
+        (window,) = outcome["analysis"]
+        assert window["baseline"]["version"] == str(champion.triton_version) and window["baseline"]["error_rate"] == 0
+        assert "canary" not in stub.world.isvc["spec"]  # rolled back: the canary is gone
+        assert stub.world.isvc["spec"]["predictor"]["model"]["storageUri"] == \
+            f"{MODEL_STORE}/{champion.triton_version}/"
+        assert json.loads(reg.get(candidate.version).tags["rollout.analysis"])[0]["result"] == "fail"
+        assert reg.by_alias(CHAMPION).version == champion.version and reg.by_alias(CHALLENGER) is None
+    finally:
+        prometheus.stop()
+        exporter.stop()
         stub.close()
 
 
