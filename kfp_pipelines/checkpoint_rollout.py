@@ -163,7 +163,8 @@ def _with_secrets(task: dsl.PipelineTask) -> dsl.PipelineTask:
 # repeating is safe (not the gate, whose answer would not change, nor the roll-out, whose failed
 # soak is a decision); and a deadline in seconds (the pod's activeDeadlineSeconds), so that a
 # step that hangs, or a pod that cannot start (a missing Secret), fails the run instead of
-# holding it forever. The roll-out's deadline bounds `soak_seconds` (cubeserve.pipeline.serving).
+# holding it forever. The roll-out's deadline bounds its soak, shadow and analysis windows
+# (cubeserve.pipeline.serving.Gate.validate).
 POD = {
     "validate": ("1", "8Gi", 2, 3600),
     "evaluate": ("4", "16Gi", 2, 3600),
@@ -247,7 +248,7 @@ def build(image: str):
             triton_url: host:port of the tritonserver's REST port (target local only).
             canary_percent: Share of the traffic for the canary (target kserve).
             soak_requests: Requests sent to the canary before it may be promoted (target local).
-            soak_seconds: How long the canary runs before the decision.
+            soak_seconds: How long the canary runs before the analysis windows (or, without them, the decision).
             namespace: The InferenceService's namespace (target kserve; empty = the run's namespace).
             isvc: The InferenceService's name (target kserve).
             prometheus_url: Prometheus scraping the servers' metrics port, e.g. http://prometheus.monitoring.svc:9090; empty = no analysis, the soak alone decides.
