@@ -297,6 +297,8 @@ def roll_out(target: str, registry_uri: str, model_name: str, version: str, cana
         raise ValueError(f"soak_seconds must be from 0 to {MAX_SOAK_S} (the roll-out step's deadline is "
                          f"{ROLLOUT_DEADLINE_S} s), got {soak_seconds}")
     gate.validate(soak_seconds)
+    if gate.enabled and not 1 <= canary_percent <= 99:  # an arm without traffic has no figures
+        raise ValueError(f"canary_percent must be from 1 to 99 with analysis windows, got {canary_percent}")
     registry = open_registry(registry_uri, model_name)
     new = registry.get(version)
     champion = registry.by_alias(CHAMPION)
