@@ -138,7 +138,7 @@ class Analysis:
 
     def summary(self) -> str:
         head = f"{self.result}: version {self.candidate.version}" + (
-            f" against {self.baseline.version}" if self.baseline else "") + f" over {self.window_seconds:g} s"
+            f" against {self.baseline.version}" if self.baseline else "") + f" over {self.window_seconds:.0f} s"
         return head + (": " + "; ".join(self.reasons) if self.reasons else "")
 
     def report(self) -> str:
