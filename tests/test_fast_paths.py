@@ -30,7 +30,7 @@ def test_product_equals_linear_for_any_rows_and_layout(rows, packed):
             assert torch.allclose(product(weight, b, x[:, None, :], copy)[:, 0], want, atol=1e-5)
 
 
-def test_pack_linears_packs_each_fused_group_once():
+def test_streaming_swap_packs_each_fused_group_once():
     torch.manual_seed(0)
     mlp = SwiGLU(16, 32)
     x = torch.randn(8, 16)
