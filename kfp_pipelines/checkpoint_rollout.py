@@ -129,8 +129,9 @@ def roll_out(target: str, registry_uri: str, model_name: str, version: str, cana
     from cubeserve.pipeline.serving import Gate
     from cubeserve.pipeline.serving import roll_out as run
 
-    gate = Gate(prometheus_url, analysis_windows, analysis_window_seconds, shadow_share, shadow_seconds,
-                dict(analysis_thresholds), metrics_selector)
+    gate = Gate(prometheus_url=prometheus_url, windows=analysis_windows, window_seconds=analysis_window_seconds,
+                shadow_share=shadow_share, shadow_seconds=shadow_seconds, thresholds=dict(analysis_thresholds),
+                selector=metrics_selector)
     result = run(target, registry_uri, model_name, version, canary_percent, soak_requests, soak_seconds,
                  list(prompts), triton_url=triton_url, model_store=model_store, namespace=namespace, isvc=isvc,
                  pipeline_run_id=pipeline_run_id, gate=gate)

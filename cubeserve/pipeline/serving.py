@@ -274,8 +274,6 @@ def _experiment(n: int, champion: int, canary_percent: int = 0, shadow_share: fl
                              Arm("candidate", n, canary_percent))).to_json()
 
 
-
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
