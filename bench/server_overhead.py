@@ -19,13 +19,14 @@ def run(config: str = "tiny") -> tuple[list[Record], list[str]]:
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.engine import Engine, GenerationRequest
     from cubeserve.engine.scheduler import Scheduler
+    from cubeserve.deploy import STREAM_MODEL
     from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
 
     prompts = [f"bench object {i}" for i in range(OBJECTS)]
     records, lines = [], []
     with tempfile.TemporaryDirectory() as tmp:
         repo = copy_model_repository(Path(tmp) / "models")
-        weights = write_random_weights(config, repo / "cube3d_stream" / "1" / "weights", seed=0)
+        weights = write_random_weights(config, repo / STREAM_MODEL / "1" / "weights", seed=0)
 
         engine = Engine.from_dir(weights, device="cpu")
         device = str(engine.device)

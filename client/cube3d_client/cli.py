@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from cube3d_client.client import Cube3DClient, ServerError
+from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
 
 
 def _bbox(text: str):
@@ -21,10 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt")
     p.add_argument("--url", default="127.0.0.1:8000", help="host:port (REST 8000, gRPC 8001 locally)")
     p.add_argument("--protocol", choices=["http", "grpc"], default="http")
-    p.add_argument("--model", default="cube3d")
-    p.add_argument("--stream-model", default="cube3d_stream")
+    p.add_argument("--model", default=PREDICT_MODEL)
+    p.add_argument("--stream-model", default=STREAM_MODEL)
     p.add_argument("--model-version", default="")
     p.add_argument("--host", help="Host header / gRPC authority of a KServe InferenceService")
+    p.add_argument("--user", help="user key of an experiment (header x-cube3d-user): one user, one arm")
     p.add_argument("--ssl", action="store_true")
     p.add_argument("--out", default="output.glb", help=".glb or .obj")
     p.add_argument("--preview", help="also write a PNG preview")
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = out.suffix.lstrip(".").lower() or "glb"
     client = Cube3DClient(args.url, args.protocol, model=args.model, stream_model=args.stream_model,
                           model_version=args.model_version, host=args.host, timeout=args.timeout,
-                          retries=args.retries, ssl=args.ssl)
+                          retries=args.retries, ssl=args.ssl, user=args.user)
     on_progress = bar = None
     if args.progress:
         from tqdm import tqdm
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preview:
         Path(args.preview).write_bytes(result.preview_png())
     t = result.timings
-    served_by = f" (model version {result.model_version})" if result.model_version else ""
+    served_by = f" (model version {result.model_version}{', arm ' + result.arm if result.arm else ''})" \
+        if result.model_version else ""
     print(f"mesh: {result.num_vertices} vertices, {result.num_faces} faces -> {out}{served_by}")
     if "message" in t:
         print(f"note: {t['message']}")

@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
 from cubeserve.serving.experiment import USER_KEY
 from cubeserve.serving.protocol import DATATYPES, MESH_ENCODINGS, decode_mesh, error_kind
 
@@ -83,8 +84,8 @@ def _is_retryable(exc: Exception) -> bool:
 
 
 class Cube3DClient:
-    def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = "cube3d",
-                 stream_model: str = "cube3d_stream", model_version: str = "", host: str | None = None,
+    def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = PREDICT_MODEL,
+                 stream_model: str = STREAM_MODEL, model_version: str = "", host: str | None = None,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False,
                  mesh_encoding: str = "binary", user: str | None = None):
         if protocol not in ("http", "grpc"):

@@ -216,11 +216,11 @@ def ensure_demo_weights(model_repository: Path = MODEL_REPOSITORY, demo_model: P
     from cubeserve.checkpoint import write_random_weights
 
     written = None
-    for version_dir in sorted((model_repository / "cube3d_stream").iterdir()):
+    for version_dir in sorted((model_repository / deploy.STREAM_MODEL).iterdir()):
         if version_dir.is_dir() and version_dir.name.isdigit() and not (version_dir / "weights").exists():
             written = version_dir / "weights"
             if (demo_model / "config.yaml").is_file():
                 shutil.copytree(demo_model, written)
             else:
                 write_random_weights("tiny", written, seed=int(version_dir.name) - 1)
-    return written or model_repository / "cube3d_stream"
+    return written or model_repository / deploy.STREAM_MODEL

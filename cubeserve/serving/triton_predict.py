@@ -34,7 +34,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cubeserve.deploy import REQUEST_TIMEOUT_S
+from cubeserve.deploy import REQUEST_TIMEOUT_S, STREAM_MODEL
 from cubeserve.engine.requests import InvalidRequest, Unavailable
 from cubeserve.serving import agreement, experiment, protocol
 from cubeserve.serving import metrics as metric_names
@@ -146,7 +146,7 @@ def _parameter(request_parameters: dict, key: str) -> str | None:
 class PredictModel:
     """`cube3d`: the predict API; forwards each request to a version of `cube3d_stream`.
 
-    Parameters: engine_model (default "cube3d_stream"), max_concurrency (requests forwarded at
+    Parameters: engine_model (default deploy.STREAM_MODEL, "cube3d_stream"), max_concurrency (requests forwarded at
     once, default 128; more are refused as busy at once: keep it at least the engine's
     max_objects + max_queue, so that the engine's queue is the one that refuses), experiment
     (an experiment's JSON, serving/experiment.py; $CUBE3D_EXPERIMENT_FILE takes precedence).
@@ -154,7 +154,7 @@ class PredictModel:
 
     def initialize(self, args):
         params = parameters(args)
-        self.engine_model = params.get("engine_model") or "cube3d_stream"
+        self.engine_model = params.get("engine_model") or STREAM_MODEL
         self.version = int(args["model_version"])
         self.max_concurrency = int(params.get("max_concurrency") or 128)
         self.capacity = threading.BoundedSemaphore(self.max_concurrency)
