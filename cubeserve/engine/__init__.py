@@ -13,7 +13,7 @@ def __getattr__(name):
 
         return getattr(engine, name)
     if name in ("GenerationRequest", "InvalidRequest", "Unavailable"):
-        from cubeserve.engine import requests
+        from cubeserve import requests
 
         return getattr(requests, name)
     raise AttributeError(name)

@@ -30,7 +30,7 @@ import torch
 
 from cubeserve.config import ModelConfig
 from cubeserve.engine.cache import KVCache, prefill_condition
-from cubeserve.engine.requests import GenerationRequest
+from cubeserve.requests import GenerationRequest
 from cubeserve.engine.sampling import SamplingParams
 from cubeserve.model.gpt import DualStreamGPT, SingleBlockMode
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from cubeserve.engine.requests import GenerationRequest
+from cubeserve.requests import GenerationRequest
 
 _M32 = 0xFFFFFFFF
 

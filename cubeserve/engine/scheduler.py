@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from cubeserve.engine.engine import Engine, GenerationResult, Timings
-from cubeserve.engine.requests import GenerationRequest, Unavailable
+from cubeserve.requests import GenerationRequest, Unavailable
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
 

@@ -15,6 +15,7 @@ object's resourceVersion as a precondition and its own field manager.
     patch.py      JSON merge patches and their field-by-field description
     preflight.py  the cluster can take the patch (CRD fields, runtime, Gateway API)
     cluster.py    the Kubernetes API (Cluster) and one InferenceService on it (Rollout)
+    analyze.py    the promotion gate: a candidate version against its baseline, from Prometheus
     cli.py        the command line
 """
 

@@ -34,7 +34,7 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from cubeserve.engine.requests import InvalidRequest
+from cubeserve.requests import InvalidRequest
 
 # The user key: the HTTP header or gRPC metadata `x-cube3d-user`, which tritonserver forwards to
 # the model as a request parameter of that name (deploy.COMMON_FLAGS' header-forward patterns),

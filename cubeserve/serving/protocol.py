@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cubeserve.engine.requests import GenerationRequest, InvalidRequest, Unavailable
+from cubeserve.requests import GenerationRequest, InvalidRequest, Unavailable
 
 # input name -> (GenerationRequest field, numpy kind, elements)
 INPUTS = {

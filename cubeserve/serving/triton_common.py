@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cubeserve.engine.requests import Unavailable
+from cubeserve.requests import Unavailable
 from cubeserve.serving.drain import IN_PROGRESS_METRIC, marker_path
 from cubeserve.serving.triton_metrics import locked
 

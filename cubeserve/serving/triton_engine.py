@@ -28,7 +28,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cubeserve.engine.engine import Engine
-from cubeserve.engine.requests import InvalidRequest, Unavailable
+from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.engine.scheduler import EngineStats, Scheduler
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol

@@ -35,7 +35,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cubeserve.deploy import REQUEST_TIMEOUT_S, STREAM_MODEL
-from cubeserve.engine.requests import InvalidRequest, Unavailable
+from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.serving import agreement, experiment, protocol
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving.experiment import Experiment
