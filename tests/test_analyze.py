@@ -349,17 +349,22 @@ def empty_mesh_checkpoint(source, out):
     return out
 
 
-E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY = 1, 2, 3
+E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY, E2E_CRASHED = 1, 2, 3, 4
 E2E_TRAFFIC_S = 10.0
-E2E_REQUESTS = 50  # 10 or more for the 20 % arm: past min_requests 5 with room for the random split
+E2E_REQUESTS = 60  # 12 or more for a 20 % arm: past min_requests 5 with room for the random split
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Versions 1 (the demo model), 2 (its empty-mesh copy) and 3 (the demo model again) of one
-    model store, loaded into a tritonserver through model control with an experiment splitting
-    unpinned requests 40/20/40; a Prometheus scraping its metrics port; two clients sending
-    traffic for E2E_TRAFFIC_S and until E2E_REQUESTS were sent."""
+    """Versions 1 (the demo model), 2 (its empty-mesh copy), 3 (the demo model again) and 4 (the
+    demo model, whose engine process is killed after the warm-up: every request to it fails) of
+    one model store, loaded into a tritonserver through model control with an experiment
+    splitting unpinned requests 30/20/30/20; a Prometheus scraping its metrics port; two clients
+    sending traffic for E2E_TRAFFIC_S and until E2E_REQUESTS were sent."""
+    import os
+    import signal
+
+    from cubeserve.serving.stubs import python_stubs
     from cubeserve.pipeline.serving import send_traffic, serve_versions
     from cubeserve.serving.experiment import Arm, Experiment
     from cubeserve.serving.local_triton import DEMO_MODEL, LocalTriton
@@ -368,17 +373,21 @@ def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     store = tmp / "store"
     hollow = empty_mesh_checkpoint(DEMO_MODEL, tmp / "hollow")
-    for version, weights in ((E2E_BASELINE, DEMO_MODEL), (E2E_HOLLOW, hollow), (E2E_HEALTHY, DEMO_MODEL)):
+    versions = [E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY, E2E_CRASHED]
+    for version, weights in zip(versions, (DEMO_MODEL, hollow, DEMO_MODEL, DEMO_MODEL)):
         build_version_repository(weights, version, store / str(version), "cpu")
     (tmp / "repository").mkdir()
-    experiment = Experiment("gate", (Arm("control", E2E_BASELINE, 40), Arm("hollow", E2E_HOLLOW, 20),
-                                     Arm("healthy", E2E_HEALTHY, 40))).to_json()
+    experiment = Experiment("gate", (Arm("control", E2E_BASELINE, 30), Arm("hollow", E2E_HOLLOW, 20),
+                                     Arm("healthy", E2E_HEALTHY, 30), Arm("crashed", E2E_CRASHED, 20))).to_json()
     with LocalTriton(tmp / "repository", free_port(), free_port(), free_port(), log_path=tmp / "tritonserver.log",
                      extra_args=("--model-control-mode=explicit",)) as server:
-        serve_versions(server.http_url, str(store), [E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY], experiment)
+        serve_versions(server.http_url, str(store), versions, experiment)
         with PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{server.metrics_port}"]) as prometheus:
             client = a.PrometheusClient(prometheus.url)
-            warm_up(server.http_url, [E2E_BASELINE, E2E_HOLLOW, E2E_HEALTHY])
+            warm_up(server.http_url, versions)
+            [crashed] = [pid for pid, (model, v) in python_stubs(server.process.pid).items()
+                         if model == "cube3d_stream" and v == str(E2E_CRASHED)]
+            os.kill(crashed, signal.SIGKILL)
             warmed = time.time()
             while (client.latest_scrape() or 0) < warmed + 1:  # the window starts after the warm-up
                 time.sleep(0.2)
@@ -409,13 +418,15 @@ def warm_up(url: str, versions: list[int]) -> None:
 
 def test_e2e_the_healthy_candidate_passes_from_the_servers_own_metrics(served):
     client, counts, window = served
-    assert counts["sent"] >= E2E_REQUESTS and counts["failed"] == 0, counts
     result = a.analyze(client, E2E_HEALTHY, E2E_BASELINE, window, E2E_LIMITS)
+    crashed = client.figures(E2E_CRASHED, window, result.at)
+    # the only failures were the crashed version's
+    assert counts["sent"] >= E2E_REQUESTS and counts["failed"] == pytest.approx(crashed.requests, abs=2), counts
     assert result.result == a.PASS, result.report()
     c, b = result.candidate, result.baseline
     assert c.error_rate == 0.0 and c.empty_mesh_rate == 0.0 and c.p95_seconds > 0 and c.time_per_token_p95 > 0
     # Every request went to one of the three versions.
-    total = sum(f.requests for f in (c, b, client.figures(E2E_HOLLOW, window, result.at)))
+    total = sum(f.requests for f in (c, b, client.figures(E2E_HOLLOW, window, result.at), crashed))
     assert total == pytest.approx(counts["sent"], rel=0.25)
 
 
@@ -425,3 +436,11 @@ def test_e2e_the_empty_mesh_candidate_fails_with_its_figures(served):
     assert result.result == a.FAIL, result.report()
     assert result.candidate.empty_mesh_rate == 1.0 and result.baseline.empty_mesh_rate == 0.0
     assert any(r.startswith("empty-mesh rate 1 > 0.05") for r in result.reasons), result.reasons
+
+
+def test_e2e_the_crashed_candidate_fails_on_its_error_rate(served):
+    client, _, window = served
+    result = a.analyze(client, E2E_CRASHED, E2E_BASELINE, window, E2E_LIMITS)
+    assert result.result == a.FAIL, result.report()
+    assert result.candidate.error_rate == 1.0 and result.baseline.error_rate == 0.0
+    assert any(r.startswith("error rate 1") for r in result.reasons), result.reasons
