@@ -5,6 +5,7 @@ even when it hangs or dies."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,13 +22,17 @@ import tritonclient.http as httpclient
 
 from cube3d_client import Cube3DClient
 from cubeserve.checkpoint import write_random_weights
+from cubeserve.config import TINY
 from cubeserve.serving import experiment, metrics as names
 from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
 from cubeserve.serving.stubs import python_stubs
 
 # Versions of cube3d_stream: 1 and 2 hold the same weights (a healthy candidate agrees with the
-# control exactly), 3 other weights (a candidate that disagrees).
-VERSIONS = {1: 0, 2: 0, 3: 7}  # version -> seed of its random weights
+# control exactly), 3 other weights (a candidate that disagrees), 4 a slow one (1024 shape tokens
+# an object where the others make 32).
+VERSIONS = {1: 0, 2: 0, 3: 7, 4: 1}  # version -> seed of its random weights
+SLOW = dataclasses.replace(TINY, name="tiny-slow",
+                           tokenizer=dataclasses.replace(TINY.tokenizer, num_encoder_latents=1024))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +50,7 @@ def server(tmp_path_factory, experiment_file):
         config = root / model / "config.pbtxt"
         config.write_text(config.read_text().replace("latest { num_versions: 1 }", "all {}"))
     for v, seed in VERSIONS.items():
-        write_random_weights("tiny", root / "cube3d_stream" / str(v) / "weights", seed=seed)
+        write_random_weights(SLOW if v == 4 else "tiny", root / "cube3d_stream" / str(v) / "weights", seed=seed)
     log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
     triton = LocalTriton(root, free_port(), free_port(), free_port(), log_path=log,
                          extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
@@ -212,6 +217,25 @@ def test_a_disagreeing_shadow_is_measured_as_such(server):
         assert time.monotonic() < deadline
         time.sleep(0.5)
     assert total(server, names.SHADOW_AGREEMENT + "_bucket", version=3, measure="tokens", le="0.999") >= 3
+
+
+def test_a_slow_shadow_never_holds_the_served_answer(server):
+    set_experiment(server, {"name": "slow-shadow", "arms": [{"name": "control", "version": 1, "weight": 1}],
+                            "shadow": {"version": 4, "share": 1.0}})
+
+    def finished_copies():
+        return total(server, names.SHADOW_REQUESTS, version=4, baseline=1)
+
+    before = finished_copies()
+    served = generate(server, "slow-0")
+    # the answer came while its copy (32 times the tokens) was still running: nothing waited on it
+    assert served.model_version == "1" and len(served.tokens) == TINY.num_tokens
+    assert finished_copies() == before
+    deadline = time.monotonic() + 120
+    while finished_copies() < before + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert total(server, names.SHADOW_REQUESTS, version=4, baseline=1, outcome="ok") >= 1
 
 
 def _engine_pid(server, version: int) -> int:
