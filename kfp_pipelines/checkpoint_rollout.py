@@ -252,7 +252,7 @@ def build(image: str):
             soak_seconds: How long the canary runs before the analysis windows (or, without them, the decision).
             namespace: The InferenceService's namespace (target kserve; empty = the run's namespace).
             isvc: The InferenceService's name (target kserve).
-            prometheus_url: Prometheus scraping the servers' metrics port, e.g. http://prometheus.monitoring.svc:9090; empty = no analysis, the soak alone decides.
+            prometheus_url: Prometheus scraping the servers' metrics port, e.g. http://prometheus.monitoring.svc:9090; required while analysis_windows > 0 (set analysis_windows 0 to let the soak alone decide).
             analysis_windows: Analysis windows after the canary starts: any failed window rolls back; the last one must pass (not enough data rolls back).
             analysis_window_seconds: Length of each analysis window (traffic sent by the step on target local; the users' traffic on kserve).
             analysis_thresholds: Gate limits of cubeserve rollout analyze, e.g. {"max_error_rate": 0.05, "max_p95_ratio": 1.5, "min_requests": 20}; the others keep their defaults.

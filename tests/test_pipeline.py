@@ -331,10 +331,11 @@ def test_kserve_target_rolls_back_a_ready_canary_that_fails_the_analysis(cluster
     (dict(thresholds={"max_errors": 0.1}), "analysis_thresholds: unknown ['max_errors']"),
     (dict(windows=20, window_seconds=300), "must be at most 5400 (the roll-out step's deadline is 7200 s), got 6000"),
     (dict(canary_percent=0), "canary_percent must be from 1 to 99 with analysis windows, got 0"),
+    (dict(prometheus_url=""), "prometheus_url is required with analysis_windows 1"),
 ])
 def test_bad_gate_settings_are_refused_before_anything_changes(settings, message):
     percent = settings.pop("canary_percent", 10)
-    gate = serving.Gate("http://127.0.0.1:9", **{"windows": 1, **settings})
+    gate = serving.Gate(**{"prometheus_url": "http://127.0.0.1:9", "windows": 1, **settings})
     with pytest.raises(ValueError) as refused:  # before the registry (unreachable here) is opened
         serving.roll_out("local", "http://127.0.0.1:9", "cube3d", "2", percent, 0, 0.0, ["a cup"], gate=gate)
     assert message in str(refused.value)

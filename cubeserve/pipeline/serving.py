@@ -22,7 +22,8 @@ Two targets behind one function (`roll_out`):
   `<model_store>/<N>/`; `record_version` (the package step) lists it in the ConfigMap
   cube3d-versions, whose baseUri must be the pipeline's model store.
 
-Without a Prometheus or with `analysis_windows` 0 the soak alone decides. Either way the
+With `analysis_windows` 0 the soak alone decides; windows without a Prometheus are refused (a
+forgotten URL must not promote ungated). Either way the
 champion alias moves only on promotion, and the decision, its reason and every analysis window's
 figures are tags on the version (`rollout.decision`, `rollout.reason`, `rollout.analysis`, ...).
 """
@@ -181,7 +182,7 @@ def send_traffic(triton_url: str, prompts: list[str], seconds: float, clients: i
 @dataclass(frozen=True)
 class Gate:
     """The promotion gate of a roll-out: windows of Prometheus data judged by
-    cubeserve/rollout/analyze.py. Off without a Prometheus or with 0 windows."""
+    cubeserve/rollout/analyze.py. Off with 0 windows; windows need a Prometheus."""
     prometheus_url: str = ""
     windows: int = 0
     window_seconds: float = 60.0
@@ -193,7 +194,7 @@ class Gate:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.prometheus_url) and self.windows > 0
+        return self.windows > 0
 
     def limits(self):
         from cubeserve.rollout.analyze import Thresholds
@@ -206,6 +207,9 @@ class Gate:
     def validate(self, soak_seconds: float) -> None:
         if not 0 <= self.windows <= 100:
             raise ValueError(f"analysis_windows must be from 0 to 100, got {self.windows}")
+        if self.windows and not self.prometheus_url:
+            raise ValueError(f"prometheus_url is required with analysis_windows {self.windows} (a Prometheus "
+                             f"scraping the servers); set analysis_windows to 0 to let the soak alone decide")
         if not 1 <= self.window_seconds <= MAX_SOAK_S:
             raise ValueError(f"analysis_window_seconds must be from 1 to {MAX_SOAK_S}, got {self.window_seconds}")
         if not 0 <= self.shadow_share <= 1:
