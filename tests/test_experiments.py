@@ -180,6 +180,9 @@ def test_new_weights_apply_without_a_restart_or_a_dropped_request(server, experi
         assert generate(server, "loop-0").arm == "candidate"  # the parameter again
         experiment_file.write_text("{not json")  # a broken file keeps the last good experiment
         assert generate(server, "loop-0").arm == "candidate"
+        # so does one naming a version the server has not loaded
+        experiment_file.write_text(json.dumps({"name": "v9", "arms": [{"name": "x", "version": 9, "weight": 1}]}))
+        assert generate(server, "loop-0").arm == "candidate"
     finally:
         experiment_file.unlink(missing_ok=True)
 

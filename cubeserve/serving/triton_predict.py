@@ -75,6 +75,12 @@ class ExperimentSource:
                 pass
         return self.inline
 
+    def _loaded(self, version: int) -> bool:
+        try:
+            return pb_utils.is_model_ready(model_name=self.engine_model, model_version=str(version))
+        except Exception:  # noqa: BLE001 - an unknown version is one not loaded: never fail requests for it
+            return False
+
     def get(self) -> Experiment | None:
         with self._lock:
             text = self._read()
@@ -88,8 +94,7 @@ class ExperimentSource:
                 pb_utils.Logger.log_error(f"experiment ignored, the previous one stays in force: {exc}")
                 self._seen = text
                 return self.current
-            missing = sorted(v for v in (candidate.versions if candidate else ())
-                             if not pb_utils.is_model_ready(model_name=self.engine_model, model_version=str(v)))
+            missing = sorted(v for v in (candidate.versions if candidate else ()) if not self._loaded(v))
             if missing:
                 if text != self._pending:
                     pb_utils.Logger.log_error(f"experiment {candidate.name!r} waits: {self.engine_model} versions "
