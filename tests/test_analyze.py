@@ -384,7 +384,7 @@ def served(tmp_path_factory):
         serve_versions(server.http_url, str(store), versions, experiment)
         with PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{server.metrics_port}"]) as prometheus:
             client = a.PrometheusClient(prometheus.url)
-            warm_up(server.http_url, versions)
+            warm_up(server.http_url, ["control", "hollow", "healthy", "crashed"])
             [crashed] = [pid for pid, (model, v) in python_stubs(server.process.pid).items()
                          if model == "cube3d_stream" and v == str(E2E_CRASHED)]
             os.kill(crashed, signal.SIGKILL)
@@ -405,13 +405,14 @@ def served(tmp_path_factory):
 E2E_LIMITS = a.Thresholds(min_requests=5, max_p95_ratio=3.0, max_time_per_token_ratio=3.0)
 
 
-def warm_up(url: str, versions: list[int]) -> None:
-    """Two requests pinned to each version: an engine's first requests pay one-time costs
+def warm_up(url: str, arms: list[str]) -> None:
+    """Two requests pinned to each arm (with an experiment in force, the experiment routes every
+    request, whatever version the URL names): an engine's first requests pay one-time costs
     (allocations, packed weights) that are no figure of the version."""
     from cube3d_client import Cube3DClient
 
-    for version in versions:
-        with Cube3DClient(url, "http", model_version=str(version)) as c:
+    for arm in arms:
+        with Cube3DClient(url, "http", arm=arm) as c:
             for seed in range(2):
                 c.generate("a small ball", seed=seed, resolution=4)
 

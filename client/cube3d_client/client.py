@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
-from cubeserve.serving.experiment import USER_KEY
+from cubeserve.serving.experiment import PIN_ARM_KEY, USER_KEY
 from cubeserve.serving.protocol import DATATYPES, MESH_ENCODINGS, decode_mesh, error_kind
 
 _NUMPY = {"INT64": np.int64, "INT32": np.int32, "FP32": np.float32, "BOOL": np.bool_}
@@ -87,7 +87,7 @@ class Cube3DClient:
     def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = PREDICT_MODEL,
                  stream_model: str = STREAM_MODEL, model_version: str = "", host: str | None = None,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False,
-                 mesh_encoding: str = "binary", user: str | None = None):
+                 mesh_encoding: str = "binary", user: str | None = None, arm: str | None = None):
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
         if mesh_encoding not in MESH_ENCODINGS:
@@ -96,8 +96,9 @@ class Cube3DClient:
         self.url, self.protocol, self.model, self.stream_model = url, protocol, model, stream_model
         self.model_version, self.host = model_version, host
         self.timeout, self.retries, self.backoff, self.ssl = timeout, retries, backoff, ssl
-        # The user key of an experiment (sent as the header x-cube3d-user): one user, one arm.
-        self.user = user
+        # The user key of an experiment (sent as the header x-cube3d-user): one user, one arm;
+        # or an arm pinned by name (x-cube3d-arm), e.g. to check one arm by hand.
+        self.user, self.arm = user, arm
         self._client = None
 
     # -- transport ------------------------------------------------------------------------------
@@ -129,6 +130,8 @@ class Cube3DClient:
             headers["Host"] = self.host
         if self.user:
             headers[USER_KEY] = self.user
+        if self.arm:
+            headers[PIN_ARM_KEY] = self.arm
         return headers or None
 
     def _inputs(self, values: dict):
