@@ -21,13 +21,13 @@ from cubeserve.checkpoint import CLIP_DIR, load_models
 from cubeserve.config import ModelConfig
 from cubeserve.engine import fast_paths, geometry
 from cubeserve.engine.cache import prefill_condition
-from cubeserve.requests import GenerationRequest
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.sampling import SamplingParams
 from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT
 from cubeserve.model.layers import cast_linears
 from cubeserve.model.text import TextEncoder
 from cubeserve.model.tokenizer import ShapeTokenizer
+from cubeserve.requests import GenerationRequest
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ import torch
 
 from cubeserve.config import ModelConfig
 from cubeserve.engine.cache import KVCache, prefill_condition
-from cubeserve.requests import GenerationRequest
 from cubeserve.engine.sampling import SamplingParams
 from cubeserve.model.gpt import DualStreamGPT, SingleBlockMode
+from cubeserve.requests import GenerationRequest
 
 log = logging.getLogger(__name__)
 

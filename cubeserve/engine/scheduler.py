@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 
 from cubeserve.engine.engine import Engine, GenerationResult, Timings
-from cubeserve.requests import GenerationRequest, Unavailable
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
+from cubeserve.requests import GenerationRequest, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class Scheduler:
         self.engine = engine
         if graphs is None:
             graphs = engine.device.type == "cuda"
-        self.runner = engine.decode_runner(max_objects, graph_buckets=graph_buckets if graphs else None)
+        self.runner: DecodeRunner = engine.decode_runner(max_objects, graph_buckets=graph_buckets if graphs else None)
         self.stats = stats or EngineStats()
         self._waiting: collections.deque[Ticket] = collections.deque()
         self._slots: dict[int, Ticket] = {}
@@ -151,11 +151,6 @@ class Scheduler:
         self._stopping = False
         self._decode_thread = threading.Thread(target=self._decode_loop, name="cubeserve-decode", daemon=True)
         self._geometry_thread = threading.Thread(target=self._geometry_loop, name="cubeserve-geometry", daemon=True)
-
-    @property
-    def pool(self) -> DecodeRunner:
-        """The runner under its former name, which cubeserve/serving reads (`pool.max_objects`)."""
-        return self.runner
 
     def start(self) -> "Scheduler":
         # The decode thread should own the process's only OpenMP team (see engine/threads.py):

@@ -28,8 +28,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cubeserve.engine.engine import Engine
-from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.engine.scheduler import EngineStats, Scheduler
+from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
@@ -160,7 +160,7 @@ class EngineModel:
         self.forwarded_lock = threading.Lock()
         pb_utils.Logger.log_info(
             f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} ({dtype}), "
-            f"{self.scheduler.pool.max_objects} objects in flight, max_queue {self.scheduler.max_queue}")
+            f"{self.scheduler.runner.max_objects} objects in flight, max_queue {self.scheduler.max_queue}")
 
     def execute(self, requests):
         for request in requests:
