@@ -12,10 +12,13 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import tritonclient.http as httpclient
@@ -130,6 +133,23 @@ def test_a_user_header_over_grpc_and_a_pinned_arm(server):
     with pytest.raises(urllib.error.HTTPError) as err:
         _post(server, body)
     assert err.value.code == 400 and experiment.PIN_ARM_KEY in err.value.read().decode()
+
+
+@pytest.mark.parametrize("kind", ["rest", "grpc"])
+def test_kserve_sdk_users_get_their_arm_by_header(server, kind):
+    """KServe's own SDK, as a KServe user's code calls it, with the user key as a header."""
+    set_experiment(server, AB)
+    chosen = experiment.parse(json.dumps(AB))
+    users = {arm: next(u for u in (f"sdk{i}" for i in range(200)) if chosen.arm_for(u).name == arm)
+             for arm in ("control", "candidate")}
+    sdk = Path(__file__).with_name("kserve_sdk_client.py")
+    url = server.http_url if kind == "rest" else server.grpc_url
+    for arm, user in users.items():
+        proc = subprocess.run([sys.executable, str(sdk), kind, url, "a lamp", "0", "4", user],
+                              capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["arm"] == arm and got["model_version"] == str(chosen.arm_for(user).version), got
 
 
 def _post(server, body: dict, headers: dict | None = None) -> dict:
