@@ -204,7 +204,7 @@ class PredictModel:
                 return
             with self.pending_lock:
                 self.pending[forward.id] = forward
-            outcome, answer, outputs = self._relay(forward)
+            outcome, answer, outputs = self._relay(forward, keep_outputs=served is not None)
             self._answer(forward, outcome, answer)
         except Exception as exc:  # noqa: BLE001 - answer, never take the stub down
             forward = forward or Forward(request, self.drain, self.version)
@@ -259,8 +259,10 @@ class PredictModel:
             out[name] = None if tensor is None else np.array(tensor.as_numpy(), copy=True)
         return out
 
-    def _exec(self, forward: Forward | ShadowCopy, arrays: dict[str, np.ndarray | None], timeout_us: int):
-        """Forward to the engine; (outcome, the final response or an error response, outputs)."""
+    def _exec(self, forward: Forward | ShadowCopy, arrays: dict[str, np.ndarray | None], timeout_us: int,
+              keep_outputs: bool = False):
+        """Forward to the engine; (outcome, the final response or an error response, the outputs
+        as arrays when `keep_outputs`, for a shadow comparison, else None)."""
         bls = pb_utils.InferenceRequest(
             request_id=forward.id, model_name=self.engine_model, model_version=forward.version,
             inputs=[pb_utils.Tensor(name, a) for name, a in arrays.items() if a is not None],
@@ -282,10 +284,10 @@ class PredictModel:
         if final is None:
             return metric_names.CANCELLED, error_response(str(Unavailable(
                 "cancelled: the client went away before the mesh was ready")), "unavailable"), None
-        outputs = {t.name(): t.as_numpy() for t in final.output_tensors()}
+        outputs = {t.name(): t.as_numpy() for t in final.output_tensors()} if keep_outputs else None
         return metric_names.OK, final, outputs
 
-    def _relay(self, forward: Forward):
+    def _relay(self, forward: Forward, keep_outputs: bool):
         request = forward.request
         arrays = self._inputs(request)
         try:  # refuse bad input here, as a 400, before it costs a round trip
@@ -293,7 +295,7 @@ class PredictModel:
             protocol.validate(generation, uses_bbox=True)  # the engine checks the model's own limits
         except InvalidRequest as exc:
             return metric_names.INVALID, error_response(str(exc), "invalid"), None
-        outcome, answer, outputs = self._exec(forward, arrays, request.timeout())
+        outcome, answer, outputs = self._exec(forward, arrays, request.timeout(), keep_outputs)
         if outcome != metric_names.OK:
             return outcome, answer, None
         arm = pb_utils.Tensor("ARM", np.array([forward.arm.encode()], dtype=np.object_))
@@ -309,7 +311,7 @@ class PredictModel:
             self.pending[copy.id] = copy
         try:
             generation, options = protocol.parse_request(arrays)
-            outcome, _, outputs = self._exec(copy, arrays, deadline_us)
+            outcome, _, outputs = self._exec(copy, arrays, deadline_us, keep_outputs=True)
         except InvalidRequest:
             outcome = metric_names.INVALID
         except Exception as exc:  # noqa: BLE001 - a shadow's failure is measured, never raised
