@@ -1,10 +1,10 @@
 """Checks Kubernetes objects against the APIs that will receive them, without a cluster.
 
-* KServe kinds (InferenceService, InferenceGraph, ServingRuntime): walked against the API as the
+* KServe kinds (InferenceService, ServingRuntime): walked against the API as the
   `kserve` package's models define it (`openapi_types` / `attribute_map`, down into the
   `kubernetes` client's models for containers, probes, volumes...): an unknown or misspelled field,
   a value of the wrong type or a missing required field is an error. Then the rules KServe's
-  admission webhooks add (names, weights adding up to 100, one target per graph step...).
+  admission webhooks add (names, canary weights...).
 * Core kinds: the Kubernetes JSON schemas of `kubernetes-validate`, strict (no unknown fields).
 * `crd_errors`: the published KServe CRDs (OpenAPI v3), made strict (`require_crds`), those of
   every KServe release the manifests support (`MIN_KSERVE`, `KSERVE_RELEASES`).
@@ -108,7 +108,6 @@ KUBERNETES_VERSION = "1.30"  # the oldest API the manifests are meant for
 
 KSERVE_KINDS = {
     ("serving.kserve.io/v1beta1", "InferenceService"): "V1beta1InferenceService",
-    ("serving.kserve.io/v1alpha1", "InferenceGraph"): "V1alpha1InferenceGraph",
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "V1alpha1ServingRuntime",
 }
 _PRIMITIVES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
@@ -244,8 +243,6 @@ def _kserve_rules(obj: dict) -> list[str]:
     spec = obj.get("spec") or {}
     if kind == "InferenceService":
         errors += _isvc_rules(spec)
-    elif kind == "InferenceGraph":
-        errors += _graph_rules(spec)
     elif kind == "ServingRuntime":
         if not spec.get("supportedModelFormats"):
             errors.append("ServingRuntime: supportedModelFormats is empty")
@@ -292,29 +289,6 @@ def _isvc_rules(spec: dict) -> list[str]:
             total += weight
     if total > 100:
         errors.append(f"InferenceService: the canaries' trafficPercent add up to {total} > 100")
-    return errors
-
-
-def _graph_rules(spec: dict) -> list[str]:
-    errors = []
-    nodes = spec.get("nodes") or {}
-    if "root" not in nodes:
-        errors.append("InferenceGraph: no node named 'root'")
-    for node_name, node in nodes.items():
-        step_names = [s.get("name") for s in node.get("steps") or [] if s.get("name")]
-        if len(step_names) != len(set(step_names)):
-            errors.append(f"InferenceGraph: node {node_name}: step names are not unique")
-        for i, step in enumerate(node.get("steps") or []):
-            targets = [k for k in ("nodeName", "serviceName", "serviceUrl") if step.get(k)]
-            if len(targets) != 1:
-                errors.append(f"InferenceGraph: node {node_name} step {i}: exactly one of nodeName, "
-                              f"serviceName, serviceUrl, got {targets}")
-        if node.get("routerType") == "Splitter":
-            weights = [s.get("weight") for s in node.get("steps") or []]
-            if None in weights:
-                errors.append(f"InferenceGraph: node {node_name}: every Splitter step needs a weight")
-            elif sum(weights) != 100:
-                errors.append(f"InferenceGraph: node {node_name}: the weights add up to {sum(weights)}, not 100")
     return errors
 
 
