@@ -336,28 +336,74 @@ def ready(server) -> bool:
         return False
 
 
+def post_or_disconnected(server, data: bytes) -> tuple[int | str, dict]:
+    """post(), with a connection the server closed without an answer as ("disconnected", {})."""
+    try:
+        return post(server, data)
+    except (ConnectionError, urllib.error.URLError) as exc:
+        return "disconnected", {"error": repr(exc)}
+
+
+TRITON_CRASHED, TRITON_UP = "tritonserver ended by itself", ") is up"  # the supervisor's log lines
+
+
+def logged_since(server, offset: int, line: str) -> bool:
+    return line.encode() in server.log_path.read_bytes()[offset:]
+
+
 @pytest.mark.parametrize("when", ["mid-generation", "between requests"])
 def test_a_killed_engine_process_fails_its_requests_clearly_and_the_server_comes_back(server, when):
+    """Two endings, both Triton's own: usually the predict model's watchdog answers the forwards
+    503 and the supervisor restarts tritonserver; when the stub dies holding a shared-memory mutex,
+    tritonserver itself aborts (boost lock_exception, serving/supervisor.py) and the connections
+    close unanswered. Either way every request ends at once, and the server comes back."""
     wait_for(lambda: ready(server) and idle(server), timeout=120)
     first_pid = tritonserver_pid(server)
     results = {}
     threads = []
     if when == "mid-generation":
-        threads = [start(lambda i: results.__setitem__(i, (post(server, body(f"doomed {i}")), time.monotonic())), i)
+        threads = [start(lambda i: results.__setitem__(i, (post_or_disconnected(server, body(f"doomed {i}")),
+                                                           time.monotonic())), i)
                    for i in range(2)]
         wait_for(lambda: in_flight(server) == 1)
+    log_before = len(server.log_path.read_bytes())
     kill_engine_stub(server)
     killed = time.monotonic()
     wait_for(lambda: not ready(server), timeout=5)  # KServe stops routing here
     for t in threads:
         t.join(60)
+    assert len(results) == len(threads)
     for (code, reply), answered in results.values():
-        assert code == 503 and "engine process of cube3d_stream version 1 is gone" in reply["error"], reply
+        if code == "disconnected":
+            wait_for(lambda: logged_since(server, log_before, TRITON_CRASHED), timeout=10)
+        else:
+            assert code == 503 and "engine process of cube3d_stream version 1 is gone" in reply["error"], reply
         assert answered - killed < 10  # at once, not when some timeout ends
     wait_for(lambda: ready(server), timeout=120)  # the supervisor started tritonserver again
     assert tritonserver_pid(server) != first_pid
     code, reply = post(server, body("alive again"))
     assert code == 200, reply
+
+
+@pytest.mark.parametrize("on_fault", ["restart", "exit"])
+def test_a_crashed_tritonserver_is_started_again_or_the_container_exits(repo, tmp_path, on_fault):
+    """tritonserver aborting by itself after it started (as it does when a stub dies holding a
+    shared-memory mutex) is a fault like a dead stub: restarted locally, an exit in a container."""
+    from cubeserve.serving.supervisor import FAULT_EXIT_CODE
+
+    triton = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "log", supervised=True,
+                         fault_grace=2, on_fault=on_fault)
+    with triton:
+        first = tritonserver_pid(triton)
+        wait_for(lambda: logged_since(triton, 0, TRITON_UP), timeout=10)  # before: a failed start, not restarted
+        os.kill(first, signal.SIGABRT)
+        if on_fault == "exit":
+            assert triton.process.wait(60) == FAULT_EXIT_CODE
+            return
+        wait_for(lambda: ready(triton) and tritonserver_pid(triton) != first, timeout=120)
+        assert "signal 6" in triton.log_path.read_text(errors="replace")
+        code, reply = post(triton, body("after the crash"))
+        assert code == 200, reply
 
 
 def test_in_a_container_the_supervisor_exits_for_the_kubelet_to_restart(repo, tmp_path):

@@ -16,6 +16,16 @@ and, when a model version that Triton still reports READY has no live stub:
    `--on-fault exit` (the container's): exits with FAULT_EXIT_CODE, and the kubelet restarts the
    container, whose startup probe covers the new load.
 
+A stub can also take tritonserver down with it: killed while it holds one of the interprocess
+mutexes in the shared memory it shares with Triton (python_backend r24.10 src/message_queue.h,
+`bi::scoped_lock<bi::interprocess_mutex>` in Push/Pop: a stub busy sending responses holds them
+often), the server's next lock throws `boost::interprocess::lock_exception`, uncaught, and
+tritonserver aborts. Requests in flight then lose their connection instead of getting an answer.
+A tritonserver that ends this way, or any other way it was not told to (a signal, a non-zero
+exit), after it had started, is a fault too: restarted (`restart`, after a pause that doubles while
+crashes follow each other) or reported by exiting (`exit`). One that fails before its endpoint
+ever answered (a bad model repository, a taken port) is not restarted: a new start fails the same way.
+
 SIGTERM or SIGINT to the supervisor is passed to tritonserver, and the supervisor waits for it as
 long as it takes (Triton's own shutdown: it waits for open connections and requests in flight up
 to its --exit-timeout-secs, cubeserve.deploy.EXIT_TIMEOUT_S); the supervisor exits with
@@ -51,6 +61,10 @@ FAULT_EXIT_CODE = 3  # a stub died (tritonserver's own codes are 0 and 1)
 # Seconds a drained, idle tritonserver gets to exit by itself after SIGTERM (it needs one or two
 # when no client holds a connection open).
 DRAINED_GRACE_S = 10.0
+# A crashed tritonserver starts again after CRASH_BACKOFF_S, doubled for each crash that follows
+# the last start by less than CRASH_WINDOW_S, up to CRASH_BACKOFF_MAX_S (the kubelet's
+# CrashLoopBackOff, in small).
+CRASH_BACKOFF_S, CRASH_BACKOFF_MAX_S, CRASH_WINDOW_S = 1.0, 30.0, 60.0
 
 
 def _port(command: list[str], flag: str, default: int) -> int:
@@ -108,35 +122,50 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward_signal)
+        backoff = 0.0
         while True:
+            started = time.monotonic()
             self.child = subprocess.Popen(self.command, env=self.env)
-            code, dead = self._watch()
+            code, fault = self._watch()
             clear_markers(self.child.pid)
             if kill_leftover_stubs(self.stubs):
                 log.warning("killed python backend stubs that outlived tritonserver")
             self.stubs.clear()
-            if not dead:
+            if fault is None:
                 return code  # tritonserver exited by itself, or was told to
             if self.on_fault == "exit":
                 return FAULT_EXIT_CODE
+            quick = time.monotonic() - started < CRASH_WINDOW_S
+            backoff = min(2 * backoff, CRASH_BACKOFF_MAX_S) if quick and backoff else CRASH_BACKOFF_S
             self.restarts += 1
-            log.warning("starting tritonserver again (restart %d)", self.restarts)
+            log.warning("starting tritonserver again in %.0f s (restart %d): %s", backoff, self.restarts, fault)
+            if self._stop.wait(backoff):
+                return code
 
-    def _watch(self) -> tuple[int, set]:
+    def _watch(self) -> tuple[int, str | None]:
+        """Until tritonserver exits: (its exit code, what went wrong when that is a fault, else None)."""
         seen: set[tuple[str, str]] = set()
+        up = False  # its HTTP endpoint has answered: it started, whatever happens next
         while True:
             code = self.child.poll()
             if code is not None:
-                return code, set()
+                if code == 0 or not up or self._stop.is_set():
+                    return code, None
+                log.error("tritonserver ended by itself with %s after it had started",
+                          f"signal {-code}" if code < 0 else f"exit code {code}")
+                return code, "tritonserver crashed"
             if self._stop.is_set():
-                return self._wait_for_shutdown(), set()
+                return self._wait_for_shutdown(), None
             seen, dead = self.dead_models(seen)
             if dead:
                 names = ", ".join(f"{m} version {v}" for m, v in sorted(dead))
                 log.error("the python backend stub of %s died while Triton reports it READY; stopping "
                           "tritonserver (readiness now fails)", names)
                 self._terminate()
-                return FAULT_EXIT_CODE, dead
+                return FAULT_EXIT_CODE, f"the stub of {names} died"
+            if not up and self.ready_versions() is not None:
+                up = True
+                log.info("tritonserver (pid %d) is up", self.child.pid)
             time.sleep(self.poll_s)
 
     def _wait_for_shutdown(self) -> int:
