@@ -14,8 +14,20 @@ the CPU it runs eagerly and trims the work to what the host knows is live. With 
 batches: it is captured once per (slot bucket, cache-length bucket) at start-up and replayed,
 one launch that never waits for the host. Batches are padded to the next slot bucket (padding
 slots are free, so their results are discarded on the device), and attention reads only the
-first S + L cache slots, L the next cache-length bucket above the longest live sequence. All
-graphs share one memory pool: they never run concurrently.
+first S + L cache slots, L the next cache-length bucket above the longest live sequence. Each
+bucket is captured twice: with sampling, and greedy-only (no noise hash, top-p sort) for steps in
+which no row samples. All graphs share one memory pool: they never run concurrently.
+
+On CUDA:
+- the step's attention backends are pinned (DECODE_ATTENTION_BACKENDS): left to itself, PyTorch
+  may route the masked one-query bfloat16 decode attention to cuDNN, which refuses some mask
+  lengths instead of falling back, and the failure would surface in warm-up or capture;
+- capture runs under the runner's device on a stream of its own, and every step under that
+  device, so a runner on cuda:N (N > 0), e.g. a second Triton instance, captures and replays
+  there and not on the thread's default device (cuda:0);
+- the host keeps at most MAX_STEPS_IN_FLIGHT steps ahead of the GPU (CUDA events): progress and
+  "finished" then lag the GPU by at most that, an admission's copies do not wait behind a long
+  backlog, and step times come from the events, not from how long a launch took.
 """
 
 from __future__ import annotations
@@ -26,7 +38,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import collections
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cubeserve.config import ModelConfig
 from cubeserve.engine.cache import KVCache, prefill_condition
@@ -38,6 +54,11 @@ log = logging.getLogger(__name__)
 
 CondKV = list[tuple[torch.Tensor, torch.Tensor]]  # per dual layer: condition keys, values [B, H, S, hd]
 Condition = Callable[[list[str], list], torch.Tensor]  # prompts, boxes -> condition tokens [B, S, D]
+
+# In this order of preference; cuDNN is left out (module docstring). Flash takes no mask, so
+# masked steps get the memory-efficient kernel; the CPU has flash and math only and keeps them.
+DECODE_ATTENTION_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+MAX_STEPS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -76,8 +97,12 @@ class DecodeRunner:
             self._bos = gpt.embed_tokens(torch.tensor([cfg.gpt.bos_id], device=device))[0]
         self.slot_buckets: list[int] | None = None
         self.length_buckets: list[int] = []
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (slots, length, any_sampling)
         self.capture_seconds = 0.0
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # for capture
+        self._in_flight: collections.deque = collections.deque()  # end events of steps not yet waited for
+        self.last_step_seconds: float | None = None  # device time of the latest step known to be done
         if graph_buckets is not None:
             self.slot_buckets = sorted({b for b in graph_buckets if b < max_objects} | {max_objects})
             self.length_buckets = sorted({math.ceil(n * (i + 1) / length_buckets) for i in range(length_buckets)})
@@ -103,6 +128,11 @@ class DecodeRunner:
         if len(requests) > len(free):
             raise RuntimeError(f"{len(requests)} requests but only {len(free)} free slots")
         slots = free[: len(requests)]
+        with self._on_device():
+            self._admit(slots, requests)
+        return slots
+
+    def _admit(self, slots: list[int], requests: list[GenerationRequest]) -> None:
         self.sampling.put(slots, SamplingParams.of(requests, self.x.device))
         cond = self.condition([r.prompt for r in requests], [r.normalized_bbox() for r in requests])
         cond_kv = prefill_condition(self.gpt, cond, self.dtype)
@@ -114,10 +144,10 @@ class DecodeRunner:
             self.busy[s] = True
             self.generated[s] = 0
             self._samples[s] = not r.greedy
-        return slots
 
     def release(self, slot: int) -> None:
-        self.busy[slot] = False
+        with self._on_device():  # a write on the steps' stream, in order with them
+            self.busy[slot] = False
         self.generated[slot] = None
         self._samples[slot] = False
 
@@ -130,6 +160,10 @@ class DecodeRunner:
         """The device work of one step for slots 0..k-1, with no host synchronisation:
         decode, guidance, sampling, token write, next embeddings, positions. Free slots in the
         range compute garbage that is kept out of tokens and positions. Returns guided logits."""
+        with sdpa_kernel(DECODE_ATTENTION_BACKENDS, set_priority=True):
+            return self._compute(k, live, uniform, any_sampling)
+
+    def _compute(self, k: int, live: int, uniform: bool, any_sampling: bool) -> torch.Tensor:
         rows = 2 * k
         positions = self.positions[:rows]
         step_keys = self.cache.step(rows, positions, self.gpt.rope(positions[:, None]), live, uniform)
@@ -154,12 +188,17 @@ class DecodeRunner:
         k = busy[-1] + 1
         progress = [self.generated[s] for s in range(k)]
         live = max(g for g in progress if g is not None) + 1
+        any_sampling = any(self._samples[:k])
         guided = None
-        if self.slot_buckets is not None and not return_logits:
-            self._replay(k, live)
-        else:
-            uniform = all(g == progress[0] for g in progress)  # no free slot inside, same position
-            guided = self.compute(k, live, uniform, any_sampling=any(self._samples[:k]))
+        with self._on_device():
+            begin = self._wait_for_backlog()
+            started = time.perf_counter()
+            if self.slot_buckets is not None and not return_logits:
+                self._replay(k, live, any_sampling)
+            else:
+                uniform = all(g == progress[0] for g in progress)  # no free slot inside, same position
+                guided = self.compute(k, live, uniform, any_sampling=any_sampling)
+            self._step_launched(begin, started)
         finished = []
         for s in busy:
             self.generated[s] += 1
@@ -167,41 +206,78 @@ class DecodeRunner:
                 finished.append(s)
         return StepOutput(finished, guided if return_logits else None)
 
+    def tokens_of(self, slot: int) -> torch.Tensor:
+        """A finished slot's tokens, on the host (waits for its last step), before it is released."""
+        with self._on_device():
+            return self.tokens[slot].to("cpu", copy=True)
+
+    # -- the device, and the steps in flight ------------------------------------------------------
+
+    def _on_device(self):
+        """Run under the runner's device (CUDA: a thread's current device is cuda:0 unless told),
+        on that device's current stream, as the rest of the engine; nothing to do on the CPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def _wait_for_backlog(self) -> torch.cuda.Event | None:
+        """Before a step is launched: wait until fewer than MAX_STEPS_IN_FLIGHT are running (each
+        step waited for gives its device time), and return the event the new step's time counts
+        from: the end of the step before it while the GPU is still busy with it, else now."""
+        while len(self._in_flight) >= MAX_STEPS_IN_FLIGHT:
+            begin, end = self._in_flight.popleft()
+            end.synchronize()
+            self.last_step_seconds = begin.elapsed_time(end) / 1000
+        if self.stream is None:
+            return None
+        if self._in_flight and not self._in_flight[-1][1].query():
+            return self._in_flight[-1][1]
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record(torch.cuda.current_stream(self.device))
+        return begin
+
+    def _step_launched(self, begin: torch.cuda.Event | None, started: float) -> None:
+        if self.stream is None:  # the CPU computed the step while the host waited
+            self.last_step_seconds = time.perf_counter() - started
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self.device))
+        self._in_flight.append((begin, end))
+
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     def bucket(self, k: int, live: int) -> tuple[int, int]:
         return (next(b for b in self.slot_buckets if b >= k), next(n for n in self.length_buckets if n >= live))
 
-    def _replay(self, k: int, live: int) -> None:
+    def _replay(self, k: int, live: int, any_sampling: bool) -> None:
         key = self.bucket(k, live)
         if self.graphs:
-            self.graphs[key].replay()
+            self.graphs[(*key, any_sampling)].replay()
         else:
-            self.compute(*key, uniform=False)
+            self.compute(*key, uniform=False, any_sampling=any_sampling)
 
     def _capture(self, device: torch.device) -> float:
         if self.busy_slots:
             raise RuntimeError("capture before admitting requests: warm-up steps overwrite slot state")
-        keys = [(k, length) for k in self.slot_buckets for length in self.length_buckets]
+        keys = [(k, length, any_sampling) for k in self.slot_buckets for length in self.length_buckets
+                for any_sampling in (True, False)]
         start = time.perf_counter()
-        # Warm up on a side stream (lazy initialisation, kernel selection, allocator), as
-        # torch.cuda.graph requires. No slot is busy, so tokens and positions stay untouched.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for k, length in keys:
-                for _ in range(2):
-                    self.compute(k, length, uniform=False)
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.synchronize(device)
-        memory = torch.cuda.graph_pool_handle()
-        for k, length in sorted(keys, reverse=True):  # largest first: the others fit in its memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=memory):
-                self.compute(k, length, uniform=False)
-            self.graphs[(k, length)] = graph
-        torch.cuda.synchronize(device)
+        with torch.cuda.device(device):
+            # Warm up on a side stream (lazy initialisation, kernel selection, allocator), as
+            # torch.cuda.graph requires, then capture on the runner's own stream (capture cannot
+            # use the default stream). No slot is busy, so tokens and positions stay untouched.
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self.stream):
+                for k, length, any_sampling in keys:
+                    for _ in range(2):
+                        self.compute(k, length, uniform=False, any_sampling=any_sampling)
+            torch.cuda.synchronize(device)
+            memory = torch.cuda.graph_pool_handle()
+            for key in sorted(keys, reverse=True):  # largest first: the others fit in its memory
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=memory, stream=self.stream):
+                    self.compute(key[0], key[1], uniform=False, any_sampling=key[2])
+                self.graphs[key] = graph
+            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
-        log.info("captured %d decode graphs (slots %s x cache lengths %s) in %.1f s",
+        log.info("captured %d decode graphs (slots %s x cache lengths %s, sampling and greedy-only) in %.1f s",
                  len(self.graphs), self.slot_buckets, self.length_buckets, seconds)
         return seconds

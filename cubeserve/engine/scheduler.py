@@ -298,7 +298,6 @@ class Scheduler:
             if not self._slots:
                 continue
             in_flight = len(self._slots)
-            t0 = time.perf_counter()
             try:
                 out = self.runner.step()
             except Exception as exc:  # fail the objects in flight, keep the loop alive
@@ -308,7 +307,8 @@ class Scheduler:
                     ticket.future.set_exception(exc)
                 self._slots.clear()
                 continue
-            self.stats.on_step(in_flight, time.perf_counter() - t0)
+            # The device time of the latest step known to be done (on CUDA, one launched earlier).
+            self.stats.on_step(in_flight, self.runner.last_step_seconds or 0.0)
             for slot, ticket in self._slots.items():
                 if ticket.on_progress is not None:
                     try:
@@ -318,7 +318,7 @@ class Scheduler:
             for slot in out.finished:
                 ticket = self._slots.pop(slot)
                 ticket.decoded = time.perf_counter()
-                tokens = self.runner.tokens[slot].clone()
+                tokens = self.runner.tokens_of(slot)  # on the host: geometry runs on a stream of its own
                 self.runner.release(slot)
                 with self._geometry_cv:
                     self._geometry.append((ticket, tokens))
