@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import re
+import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -47,14 +49,25 @@ def main() -> None:
     sections = dict(engine_runs)
     if device.type == "cpu":  # the Triton comparison runs the tiny model on the CPU
         sections["server"] = server_overhead.run
+    failed = []
     for name, run in sections.items():
         if args.only and not name.startswith(args.only):
             continue
-        records, lines = run()
+        try:
+            records, lines = run()
+        except Exception:  # one section's failure must not lose the others' figures
+            traceback.print_exc()
+            print(f"section {name} FAILED; going on with the others", flush=True)
+            failed.append(name)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
         write_results(records, header)
         lines = [f"Measured {when} on {header['hardware']}, torch {header['torch']}.", "", *lines]
         update_markdown(name, lines)
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
+    if failed:
+        sys.exit(f"failed sections: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -210,3 +210,14 @@ def test_on_the_cpu_a_step_is_timed_by_the_host_and_nothing_waits(make_engine):
     pool.step()
     assert pool.stream is None and not pool._in_flight and pool.last_step_seconds > 0
     assert runner_module.MAX_STEPS_IN_FLIGHT == MAX_STEPS_IN_FLIGHT
+
+
+def test_the_gpu_checks_preflight_runs_the_engines_own_step(capsys):
+    """bench/gpu_check.sh runs the preflight first, on the GPU: here a dry run on the tiny shapes
+    keeps it working (replay == eager, every attention call under the pinned backends)."""
+    from bench import cuda_preflight
+
+    assert cuda_preflight.main(["--config", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "replay == eager" in out and "attention under the pinned backends: OK" in out
+    assert "preflight OK" in out
