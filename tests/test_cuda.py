@@ -40,6 +40,31 @@ def test_graphs_with_requests_joining_mid_generation(cuda_engine, run_steps):
         assert torch.equal(done[slot], expected)
 
 
+def test_a_runner_steps_on_its_own_device_from_any_thread_two_steps_ahead_timed_by_events(cuda_engine):
+    """A runner built for cuda:0, stepped from a fresh thread (as the scheduler's): its graphs
+    replay there, the host never runs more than two steps ahead, and step times are device times."""
+    import threading
+
+    from cubeserve.engine.runner import MAX_STEPS_IN_FLIGHT
+
+    eager = cuda_engine.generate_tokens(REQUESTS[:2])
+    pool = cuda_engine.decode_runner(max_objects=2, graph_buckets=(2,))
+    assert len(pool.graphs) == 2 * len(pool.length_buckets)  # sampling and greedy-only per bucket
+    seen = []
+
+    def decode():
+        pool.admit(REQUESTS[:2])
+        for _ in range(cuda_engine.cfg.num_tokens):
+            pool.step()
+            seen.append(len(pool._in_flight))
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    thread.join(120)
+    assert max(seen) == MAX_STEPS_IN_FLIGHT and 0 < pool.last_step_seconds < 1
+    assert torch.equal(torch.stack([pool.tokens_of(0), pool.tokens_of(1)]), eager.cpu())
+
+
 def test_bfloat16_scheduler_with_graphs_serves_concurrent_requests(tiny_weights, float32_shortfall):
     """bfloat16 tokens may part from float32's at a near-tie (and batch shapes change cuBLAS's
     rounding); what must hold is that every token is float32's best choice given the tokens
