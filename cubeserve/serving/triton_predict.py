@@ -353,21 +353,28 @@ class PredictModel:
 
     def _watch(self) -> None:
         while not self.stopping.wait(WATCH_INTERVAL_S):
-            with self.pending_lock:
-                forwards = list(self.pending.values())
-            if not forwards:
-                continue
-            alive = {v: self._engine_alive(v) for v in {f.version for f in forwards}}
-            for forward in forwards:
-                if isinstance(forward, ShadowCopy):
-                    if not alive[forward.version]:
-                        self._end_shadow(forward)
-                elif not alive[forward.version]:
-                    forward.send(self._engine_gone_error(forward.version))
-                elif not forward.cancel_sent and forward.client_gone():
-                    forward.cancel_sent = True
-                    pb_utils.Logger.log_info(f"client of {forward.id} went away: cancelling it")
-                    self._cancel(forward)
+            try:
+                self._look()
+            except Exception as exc:  # noqa: BLE001 - a watchdog that dies would leave forwards hanging
+                pb_utils.Logger.log_error(f"watchdog: {exc!r}")
+
+    def _look(self) -> None:
+        with self.pending_lock:
+            forwards = list(self.pending.values())
+        if not forwards:
+            return
+        alive = {v: self._engine_alive(v) for v in {f.version for f in forwards}}
+        for forward in forwards:
+            if isinstance(forward, ShadowCopy):
+                if not alive[forward.version]:
+                    self._end_shadow(forward)
+            elif not alive[forward.version]:
+                forward.send(self._engine_gone_error(forward.version))
+            elif not forward.cancel_sent and forward.client_gone():
+                forward.cancel_sent = True
+                pb_utils.Logger.log_info(f"client of {forward.id} went away: cancelling it")
+                # On a thread of its own: a control request that waits must not stop the watching.
+                threading.Thread(target=self._cancel, args=(forward,), name="cube3d-cancel", daemon=True).start()
 
     def _end_shadow(self, copy: ShadowCopy) -> None:
         """A shadow copy whose engine died waits forever on its thread: measured as unavailable
