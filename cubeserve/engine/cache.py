@@ -49,6 +49,20 @@ def prefill_condition(gpt: DualStreamGPT, cond: torch.Tensor, dtype: torch.dtype
     return keys.kv
 
 
+# Row stride of an additive mask, in elements: the memory-efficient attention kernel pads (a copy
+# in every layer) a mask whose rows do not start at such a multiple; xformers' bias rule.
+MASK_ALIGNMENT = 16
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """allowed [R, L] (bool) -> [R, 1, 1, L] in `dtype`, 0 where allowed and -inf elsewhere: a
+    view of an [R, 1, 1, L'] buffer, L' = L rounded up to MASK_ALIGNMENT."""
+    rows, length = allowed.shape
+    padded = -(-length // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    mask = torch.full((rows, 1, 1, padded), float("-inf"), dtype=dtype, device=allowed.device)[..., :length]
+    return mask.masked_fill_(allowed[:, None, None, :], 0.0)
+
+
 class CacheStep:
     """`Keys` of one decode step for cache rows 0..R-1, one new token per row at `positions`.
 
@@ -64,13 +78,15 @@ class CacheStep:
         self.cache, self.n_rows, self.positions, self.live, self.uniform = cache, n_rows, positions, live, uniform
         self.single_block_mode = cache.single_block_mode
         self.rot = rot
+        self.mask = self.single_mask = None
         if uniform:
-            self.mask, self.single_mask = None, None
             self.dual_slot, self.single_slot = s + live - 1, live - 1
         else:
+            # Additive masks, built once a step: SDPA would convert a boolean one in every layer.
             slots = torch.arange(s + live, device=positions.device)
-            self.mask = (slots[None, :] <= (s + positions)[:, None])[:, None, None, :]
-            self.single_mask = (slots[None, :live] <= positions[:, None])[:, None, None, :]
+            self.mask = additive_mask(slots[None, :] <= (s + positions)[:, None], cache.dtype)
+            if self.single_block_mode == "causal":
+                self.single_mask = additive_mask(slots[None, :live] <= positions[:, None], cache.dtype)
             row_ids = torch.arange(n_rows, device=positions.device)
             self.dual_slot = (row_ids, slice(None), s + positions)
             self.single_slot = (row_ids, slice(None), positions)
@@ -116,6 +132,7 @@ class KVCache:
         self.cond_len = cfg.cond_len
         self.num_tokens = cfg.num_tokens
         self.rows = rows
+        self.dtype = dtype
         self.single_block_mode = single_block_mode
         dual_shape = (rows, g.n_head, cfg.cond_len + cfg.num_tokens, g.head_dim)
         self.dual_k = [torch.zeros(dual_shape, device=device, dtype=dtype) for _ in range(g.n_layer)]

@@ -5,6 +5,8 @@ plain PyTorch, and `apply` (called once by the Engine) is the one place they com
   `FusedLinear` product. One product streams the weights in one pass: on the CPU a few-row
   product of a few MB runs further below bandwidth than a larger one (thread start-up and
   prefetch ramp-up per call), and on the GPU it is one kernel instead of several.
+- Frozen norm weights (every device): each `QKNorm` becomes a `FrozenQKNorm` that stacks its
+  q/k norm weights once instead of in every layer of every step.
 - Streaming products (CPU): every nn.Linear becomes a `StreamingLinear` that multiplies through
   `product`, and the decode step's weights get oneDNN-packed copies. A decode step multiplies a
   few rows by each weight, where MKL's F.linear is slow (BENCHMARKS.md, "What the CPU step
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cubeserve.model.gpt import DualStreamGPT, decode_modules
+from cubeserve.model.gpt import DualStreamGPT, QKNorm, decode_modules
 from cubeserve.model.layers import Parallel
 
 # Decode-sized inputs (up to 128 objects with guidance) take the CPU weight-streaming path.
@@ -107,6 +109,19 @@ class FusedLinear(Parallel):
         return product(self.weight, self.bias, x, self.packed).split(self.sizes, dim=-1)
 
 
+class FrozenQKNorm(QKNorm):
+    """A `QKNorm` whose stacked weights are taken now, once (swap after the last load: a later
+    load into the norms would not reach them)."""
+
+    def __init__(self, norm: QKNorm):
+        super().__init__(*norm.norms, n_head=norm.n_head)
+        with torch.no_grad():
+            self.stacked = norm.weight().clone()
+
+    def weight(self) -> torch.Tensor:
+        return self.stacked
+
+
 def _swap(root: nn.Module, kind: type[nn.Module], make) -> None:
     """Replace every submodule of `kind` under `root` by make(module) (exact type: a swapped
     module is never swapped again)."""
@@ -129,17 +144,19 @@ def stream(module: nn.Module, packed: set[int] = frozenset()) -> None:
     _swap(module, nn.Linear, lambda layer: StreamingLinear(layer, packed=id(layer) in packed - grouped))
 
 
-def apply(gpt: DualStreamGPT, *others: nn.Module) -> None:
+def apply(gpt: DualStreamGPT, *others: nn.Module, streaming: bool | None = None) -> None:
     """The engine's speed variants, for models already on their device and in their dtype.
 
-    On the CPU the decode step's products from 4 rows (2 objects) up run on oneDNN-packed
-    copies of their weights: batching's speed, for a second copy of those weights. The
-    condition stream runs once per prompt and is not packed; a fused group is packed once, as
-    its one weight."""
-    cpu = gpt.lm_head.weight.device.type == "cpu"
-    decode = {id(m) for root in decode_modules(gpt) for m in root.modules()} if cpu else set()
+    `streaming` (default: on the CPU): the CPU's streaming products. The decode step's products
+    from 4 rows (2 objects) up then run on oneDNN-packed copies of their weights: batching's
+    speed, for a second copy of those weights. The condition stream runs once per prompt and is
+    not packed; a fused group is packed once, as its one weight."""
+    if streaming is None:
+        streaming = gpt.lm_head.weight.device.type == "cpu"
+    decode = {id(m) for root in decode_modules(gpt) for m in root.modules()} if streaming else set()
     fuse(gpt, packed=decode)
-    if cpu:
+    _swap(gpt, QKNorm, FrozenQKNorm)
+    if streaming:
         stream(gpt, packed=decode)
         for module in others:
             stream(module)

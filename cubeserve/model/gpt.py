@@ -26,24 +26,39 @@ SINGLE_BLOCK_MODES = ("reference", "causal")
 MAX_POSITIONS = 4096  # RoPE table rows; shape sequences are at most 1025 long
 
 
-def normed_query_key(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, n_head: int,
-                     rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """qk [B, T, 2D] (queries, then keys) -> q, k [B, H, T, hd]: every head RMS-normed with the
-    q_norm / k_norm weights, then rotated by `rot` ([T, hd/2] or [B, T, hd/2]) when given.
+class QKNorm(nn.Module):
+    """Queries and keys of one product, per head RMS-normed with the q_norm / k_norm weights and
+    rotated by RoPE: qk [B, T, 2D] (queries, then keys) -> q, k [B, H, T, hd].
 
     Queries and keys go through each op together: a decode step runs this on a few rows,
     where every op's fixed cost outweighs its arithmetic. Same formulas as `RMSNorm` and
-    `apply_rope`, with the same cast to the product's dtype in between.
+    `apply_rope`, with the same cast to the product's dtype in between. The norms stay their
+    parent's (the checkpoint names them there), held in a plain tuple as `Parallel` holds its
+    layers; the engine swaps in a copy with the weights stacked once
+    (`cubeserve.engine.fast_paths.FrozenQKNorm`).
     """
-    # Contiguous first: on the CPU qk is often a transposed view (`fast_paths.product`), and reductions
-    # over a strided last dim are several times slower.
-    x = qk.float().contiguous().unflatten(-1, (2, n_head, -1))  # [B, T, 2, H, hd]
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + q_norm.eps)
-    x = (x * torch.stack((q_norm.weight, k_norm.weight)).float()[:, None]).type_as(qk)
-    if rot is not None:
-        x = apply_rope(x, rot[..., None, None, :])
-    q, k = x.unbind(2)
-    return q.transpose(1, 2), k.transpose(1, 2)
+
+    def __init__(self, q_norm: RMSNorm, k_norm: RMSNorm, n_head: int):
+        super().__init__()
+        self.norms = (q_norm, k_norm)
+        self.n_head = n_head
+        self.eps = q_norm.eps
+
+    def weight(self) -> torch.Tensor:
+        """Both norms' weights [2, 1, hd] in fp32, to broadcast over [.., 2, H, hd]."""
+        return torch.stack([norm.weight for norm in self.norms]).float()[:, None]
+
+    def forward(self, qk: torch.Tensor, rot: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """rot: [T, hd/2] or [B, T, hd/2], or None."""
+        # One contiguous fp32 copy: on the CPU qk is often a transposed view (`fast_paths.product`),
+        # and reductions over a strided last dim are several times slower.
+        x = qk.to(torch.float32, memory_format=torch.contiguous_format).unflatten(-1, (2, self.n_head, -1))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)  # [B, T, 2, H, hd]
+        x = (x * self.weight()).type_as(qk)
+        if rot is not None:
+            x = apply_rope(x, rot[..., None, None, :])
+        q, k = x.unbind(2)
+        return q.transpose(1, 2), k.transpose(1, 2)
 
 
 class StreamProjection(nn.Module):
@@ -67,6 +82,8 @@ class StreamProjection(nn.Module):
         self.k_norm = RMSNorm(hd)
         self.c_v = nn.Linear(d, d, bias=cfg.bias)
         self.project = Parallel(self.c_qk if with_query else self.c_k, self.c_v)
+        if with_query:
+            self.qk_norm = QKNorm(self.q_norm, self.k_norm, cfg.n_head)
 
     def forward(self, h: torch.Tensor, rot: torch.Tensor | None = None):
         """h: the normed stream [B, T, D] -> (q or None, k, v), each [B, H, T, hd].
@@ -75,7 +92,7 @@ class StreamProjection(nn.Module):
         """
         qk, v = self.project(h)
         if self.with_query:
-            q, k = normed_query_key(qk, self.q_norm, self.k_norm, self.n_head, rot)
+            q, k = self.qk_norm(qk, rot)
         else:
             q, k = None, self.k_norm(split_heads(qk, self.n_head))
             if rot is not None:
@@ -167,6 +184,7 @@ class SingleAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim)
         self.k_norm = RMSNorm(cfg.head_dim)
         self.project = Parallel(self.c_qk, self.c_v)
+        self.qk_norm = QKNorm(self.q_norm, self.k_norm, cfg.n_head)
 
     def value(self, h: torch.Tensor) -> torch.Tensor:
         return split_heads(linear(self.c_v, h), self.n_head)
@@ -174,7 +192,7 @@ class SingleAttention(nn.Module):
     def qkv(self, h: torch.Tensor, rot: torch.Tensor | None = None):
         """As `StreamProjection.forward`."""
         qk, v = self.project(h)
-        q, k = normed_query_key(qk, self.q_norm, self.k_norm, self.n_head, rot)
+        q, k = self.qk_norm(qk, rot)
         return q, k, split_heads(v, self.n_head)
 
 
