@@ -184,8 +184,10 @@ class Engine:
 
     @torch.no_grad()
     def tokens_to_meshes(self, tokens: torch.Tensor, resolutions: list[int], coarse_to_fine: bool = True,
-                         chunk_size: int = geometry.DEFAULT_CHUNK) -> list[geometry.Mesh]:
-        """Meshes of token sequences [B, N]; coarse-to-fine occupancy unless told to go dense."""
+                         chunk_size: int = geometry.DEFAULT_CHUNK,
+                         mesh_worker: geometry.MeshWorker | None = None) -> list[geometry.Mesh]:
+        """Meshes of token sequences [B, N]; coarse-to-fine occupancy unless told to go dense.
+        `mesh_worker`: where scikit-image's marching cubes runs (`geometry.marching_cubes`)."""
         latents = self.tokenizer.decode_tokens(tokens.to(self.device))
         meshes = []
         for i, res in enumerate(resolutions):
@@ -194,7 +196,7 @@ class Engine:
                                                               chunk_size=chunk_size)
             else:
                 grid = geometry.occupancy_grid(self.tokenizer, latents[i: i + 1], res, chunk_size)[0]
-            meshes.append(geometry.marching_cubes(grid, res))
+            meshes.append(geometry.marching_cubes(grid, res, worker=mesh_worker))
         return meshes
 
     def generate(self, requests: list[GenerationRequest],

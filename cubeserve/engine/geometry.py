@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cubeserve.engine import mesh_worker
+from cubeserve.engine.mesh_worker import MeshWorker
+
 log = logging.getLogger(__name__)
 
 BOUNDS = (-1.05, 1.05)
@@ -116,13 +119,15 @@ def occupancy_grid_coarse_to_fine(tokenizer, latents: torch.Tensor, resolution: 
     return grid
 
 
-def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int, backend: str = "auto") -> Mesh:
+def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int, backend: str = "auto",
+                   worker: MeshWorker | None = None) -> Mesh:
     """Surface at logit 0 of one grid [n, n, n], with the reference's vertex mapping and winding.
 
     backend: "skimage" (scikit-image's Lewiner, on the CPU), "warp" (NVIDIA Warp, on the
     grid's device), or "auto": Warp for a CUDA grid where Warp is installed (the `gpu` extra),
     scikit-image otherwise. Both put the vertices at the same edge crossings; on the CPU
-    scikit-image is the faster (BENCHMARKS.md).
+    scikit-image is the faster (BENCHMARKS.md). `worker`: scikit-image runs in that process
+    (it holds the GIL; `mesh_worker`), else in this one.
     """
     grid = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits, np.float32))
     grid = grid.detach().float()
@@ -135,9 +140,8 @@ def marching_cubes(logits: torch.Tensor | np.ndarray, resolution: int, backend: 
     if backend == "warp":
         vertices, faces = _warp_surface(grid, resolution)
     else:
-        from skimage import measure
-
-        vertices, faces, _, _ = measure.marching_cubes(grid.cpu().numpy(), level=0.0, method="lewiner")
+        grid = grid.cpu().numpy()
+        vertices, faces = worker.lewiner(grid) if worker is not None else mesh_worker.lewiner(grid)
         lo, hi = BOUNDS
         vertices = vertices / grid_size(resolution) * (hi - lo) + lo
     # Both libraries wind triangles the same way; the reference reverses them.

@@ -1,6 +1,8 @@
 """The engine's batching loop, in its own thread: requests join the running batch between
 decode steps, leave when their tokens are done (or when cancelled), and are turned into
-meshes on a second thread so that decoding never waits for geometry.
+meshes on a second thread so that decoding never waits for geometry: scikit-image's marching
+cubes, which holds the GIL, runs in a child process (`mesh_worker`), and on CUDA the decode
+thread's kernels go on a high-priority stream, the geometry thread's on a low-priority one.
 
     submit() -> Ticket (a Future of GenerationResult, with progress, cancel and a deadline);
                refused at once with `Unavailable` when max_queue requests already wait
@@ -13,6 +15,7 @@ meshes on a second thread so that decoding never waits for geometry.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -23,6 +26,7 @@ from typing import Callable
 import torch
 
 from cubeserve.engine.engine import Engine, GenerationResult, Timings
+from cubeserve.engine.mesh_worker import MeshWorker
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
 from cubeserve.requests import GenerationRequest, Unavailable
@@ -32,6 +36,10 @@ log = logging.getLogger(__name__)
 # How often the decode thread looks through the waiting queue for requests to drop (asking
 # whether a client went away can be an IPC round trip, so not on every step).
 SWEEP_INTERVAL_S = 0.25
+# CUDA stream priorities (lower is more urgent; 0, the default streams', is the least): a step's
+# kernels are scheduled ahead of the occupancy queries and marching cubes queued beside them.
+DECODE_STREAM_PRIORITY = -1
+GEOMETRY_STREAM_PRIORITY = 0
 
 
 class EngineStats:
@@ -125,8 +133,9 @@ class Ticket:
 class Scheduler:
     def __init__(self, engine: Engine, max_objects: int = 8, stats: EngineStats | None = None,
                  graphs: bool | None = None, graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                 max_queue: int | None = None):
+                 max_queue: int | None = None, mesh_process: bool = True):
         """`graphs`: capture the decode step as CUDA graphs at start-up (default: on CUDA).
+        `mesh_process`: scikit-image's marching cubes in a child process (`mesh_worker`).
         `max_queue`: requests that may wait beyond the `max_objects` being worked on (for a slot,
         or for their mesh); more are refused at once with `Unavailable`. Default 8 x max_objects."""
         if max_objects < 1:
@@ -148,6 +157,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._geometry: collections.deque = collections.deque()
         self._geometry_cv = threading.Condition()
+        self._mesh_worker = MeshWorker() if mesh_process else None  # its process starts on first use
         self._stopping = False
         self._decode_thread = threading.Thread(target=self._decode_loop, name="cubeserve-decode", daemon=True)
         self._geometry_thread = threading.Thread(target=self._geometry_loop, name="cubeserve-geometry", daemon=True)
@@ -168,6 +178,8 @@ class Scheduler:
             self._geometry_cv.notify_all()
         self._decode_thread.join(timeout)
         self._geometry_thread.join(timeout)
+        if self._mesh_worker is not None and not self._geometry_thread.is_alive():
+            self._mesh_worker.close()
         with self._geometry_cv:
             unfinished = list(self._waiting) + list(self._slots.values()) + [t for t, _ in self._geometry]
         for ticket in unfinished:
@@ -289,7 +301,22 @@ class Scheduler:
         if dropped:
             self.stats.on_in_flight(len(self._slots))
 
+    def _stream(self, priority: int):
+        """On CUDA, run this thread's kernels on a new stream of `priority`, ordered after what
+        the engine's device has queued so far (weights, graphs, the runner's buffers); nothing
+        elsewhere."""
+        device = self.engine.device
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = torch.cuda.Stream(device, priority=priority)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return torch.cuda.stream(stream)
+
     def _decode_loop(self) -> None:
+        with self._stream(DECODE_STREAM_PRIORITY):
+            self._decode_steps()
+
+    def _decode_steps(self) -> None:
         while True:
             self._admit()
             if self._stopping:
@@ -328,6 +355,10 @@ class Scheduler:
     # -- the geometry thread --------------------------------------------------------------------
 
     def _geometry_loop(self) -> None:
+        with self._stream(GEOMETRY_STREAM_PRIORITY):
+            self._geometry_jobs()
+
+    def _geometry_jobs(self) -> None:
         n = self.engine.cfg.num_tokens
         cpu_threads = torch.get_num_threads()
         while True:
@@ -345,7 +376,8 @@ class Scheduler:
                 decoding = bool(self._slots or self._waiting)
                 set_thread_openmp_threads(1 if decoding else cpu_threads)
                 t0 = time.perf_counter()
-                mesh = self.engine.tokens_to_meshes(tokens[None], [ticket.request.resolution])[0]
+                mesh = self.engine.tokens_to_meshes(tokens[None], [ticket.request.resolution],
+                                                    mesh_worker=self._mesh_worker)[0]
                 t1 = time.perf_counter()
                 if not decoding:
                     release_openmp_workers()
