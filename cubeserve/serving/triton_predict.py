@@ -116,6 +116,15 @@ class Forward(Reply):
         self.version, self.arm = version, arm
         self.started = time.monotonic()
         self.cancel_sent = False
+        self._claim_lock = threading.Lock()
+        self._claimed = False
+
+    def claim(self) -> bool:
+        """True for the first caller only: who answers (and measures) this request. The watchdog
+        answers a forward whose engine died while its thread still waits on the engine."""
+        with self._claim_lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
 
 
 class ShadowCopy:
@@ -219,7 +228,11 @@ class PredictModel:
                 served.set(outputs)
 
     def _answer(self, forward: Forward, outcome: str, answer) -> None:
-        """Measure, then answer: a client that reads the metrics after its answer finds it counted."""
+        """Measure, then answer: a client that reads the metrics after its answer finds it counted.
+        Once a request: a later answer (a forward's thread returning after the watchdog ended it)
+        is neither measured nor sent."""
+        if not forward.claim():
+            return
         self.measurements.request(forward.version, forward.arm, outcome, time.monotonic() - forward.started)
         forward.send(answer)
 
@@ -369,7 +382,7 @@ class PredictModel:
                 if not alive[forward.version]:
                     self._end_shadow(forward)
             elif not alive[forward.version]:
-                forward.send(self._engine_gone_error(forward.version))
+                self._answer(forward, metric_names.UNAVAILABLE, self._engine_gone_error(forward.version))
             elif not forward.cancel_sent and forward.client_gone():
                 forward.cancel_sent = True
                 pb_utils.Logger.log_info(f"client of {forward.id} went away: cancelling it")
