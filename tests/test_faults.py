@@ -406,6 +406,21 @@ def test_a_crashed_tritonserver_is_started_again_or_the_container_exits(repo, tm
         assert code == 200, reply
 
 
+def test_a_tritonserver_that_never_starts_is_not_started_again(tmp_path):
+    """A start that fails before the endpoint answers (here: no model repository) fails the same
+    way every time: the supervisor passes tritonserver's exit code on instead of looping."""
+    import subprocess
+
+    from cubeserve.serving.local_triton import prepare_python_backend, tritonserver_home
+
+    prepare_python_backend(tritonserver_home())
+    triton = LocalTriton(tmp_path / "no-such-repository", free_port(), free_port(), free_port(), supervised=True)
+    supervisor = subprocess.run(triton.command(), env=triton.environment(), capture_output=True, text=True,
+                                timeout=120)
+    assert supervisor.returncode not in (0, None), supervisor.stderr[-2000:]
+    assert "starting tritonserver again" not in supervisor.stderr
+
+
 def test_in_a_container_the_supervisor_exits_for_the_kubelet_to_restart(repo, tmp_path):
     """k8s/ runs `--on-fault exit` (cubeserve.deploy.server_command), with Triton's default model
     control: a dead stub stops the server and the container's process exits with
