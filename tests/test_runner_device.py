@@ -4,10 +4,15 @@ capture and replay happen under the runner's device and capture on a stream of i
 greedy-only graph serves steps in which no row samples, and that the host keeps at most
 MAX_STEPS_IN_FLIGHT steps ahead of the device, timing steps with events.
 
-The stand-in follows torch.cuda's semantics where the runner relies on them: a graph replays
-the work recorded while it was captured (torch.cuda.graphs.CUDAGraph.replay); `device` and
-`stream` contexts set the thread's current device and stream; an event completes when the work
-recorded before it has run (here: when the test says so, or on `synchronize`)."""
+The stand-in follows torch.cuda's semantics where the runner relies on them (torch 2.13's
+sources): a graph replays the work captured while it was recorded (torch/cuda/graphs.py:182,
+`CUDAGraph.replay`), and `torch.cuda.graph` captures on the stream it is given, entering that
+stream's context (graphs.py:365 and :437, `self.stream_ctx.__enter__()`); `torch.cuda.device`
+and `torch.cuda.stream` set the thread's current device and stream for the block
+(torch/cuda/__init__.py:642 `class device`, :756 `StreamContext`); an event completes when the
+work recorded before it on its stream has run, `synchronize` waits for that (cudaEventSynchronize,
+torch/cuda/streams.py:245) and `query` says whether it has (streams.py:225); here an event
+completes when the test says so, or on `synchronize`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """scikit-image's marching cubes in a process of its own, so that it never stalls decoding.
 
-`skimage.measure.marching_cubes` holds the GIL for its whole run (about half a second on a
-257^3 grid), and while it does, the decode thread cannot launch its next step: every object in
-flight waits for another object's mesh (BENCHMARKS.md, "Geometry beside decoding"). A
+`skimage.measure.marching_cubes` holds the GIL through most of its run, and while it does,
+the decode thread cannot launch its next step: every object in flight waits for another
+object's mesh (BENCHMARKS.md, "Geometry beside decoding", measures it). A
 `MeshWorker` sends the grid through a pipe to a child process and waits for the reply with the
 GIL released.
 
