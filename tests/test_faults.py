@@ -10,10 +10,13 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,6 +73,28 @@ def expected_tokens(repo):
 def tritonserver_pid(server) -> int:
     [pid] = children(server.process.pid)  # the supervisor's one child
     return pid
+
+
+def engine_stubs(server) -> list[int]:
+    """The pids of the engine's (cube3d_stream's) stub processes: one, but for a moment after a
+    reload, while the unloaded version's process ends."""
+    return [pid for pid, (model, _) in python_stubs(tritonserver_pid(server)).items() if model == "cube3d_stream"]
+
+
+def describe_process(pid: int) -> str:
+    """For a failure message: a process's state and what each of its threads waits in."""
+    try:
+        state = (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() or ["?"])[0]
+        threads = [f"{(task / 'comm').read_text().strip()}:{(task / 'wchan').read_text() or '-'}"
+                   for task in sorted(Path(f"/proc/{pid}/task").iterdir())]
+    except OSError as exc:
+        return f"process {pid}: {exc}"
+    return f"process {pid}, state {state}, threads (name:wait channel) {', '.join(threads)}"
+
+
+def log_lines(server, *words: str, last: int = 30) -> str:
+    lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if any(w in line for w in words)]
+    return "\n".join(lines[-last:])
 
 
 def body(prompt: str, seed: int = 0, resolution: int = 4, timeout_us: int | None = None) -> bytes:
@@ -302,6 +327,7 @@ def test_unloading_the_engine_finishes_running_and_waiting_requests_then_refuses
 
     wait_for(lambda: idle(server))
     triton = tritonserver_pid(server)
+    [unloaded_engine] = engine_stubs(server)
     results = {}
     threads = [start(lambda i: results.__setitem__(i, post(server, body(f"burst {i}", seed=i))), i) for i in range(3)]
     wait_for(lambda: metrics(server).get("cube3d_requests_waiting/v1", 0) == 2)
@@ -319,12 +345,20 @@ def test_unloading_the_engine_finishes_running_and_waiting_requests_then_refuses
     admin.close()
     assert post(server, body("after the reload"))[0] == 200
     assert tritonserver_pid(server) == triton  # an unload is no fault: the supervisor left it alone
+    # The unloaded engine's process ends, and its memory with it (a stuck exit ends by
+    # triton_engine.EXIT_GRACE_S, its stacks logged).
+    deadline = time.monotonic() + 60
+    while unloaded_engine in engine_stubs(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert unloaded_engine not in engine_stubs(server), (
+        f"the unloaded engine's process {unloaded_engine} still runs 60 s after its reload: "
+        f"{describe_process(unloaded_engine)}\n{log_lines(server, 'cube3d_stream', 'engine', 'Timeout', 'Thread', 'File')}")
 
 
 # -- the engine's process dies --------------------------------------------------------------------
 
 def kill_engine_stub(server) -> None:
-    [pid] = [pid for pid, (model, _) in python_stubs(tritonserver_pid(server)).items() if model == "cube3d_stream"]
+    [pid] = engine_stubs(server)
     os.kill(pid, signal.SIGKILL)
 
 
@@ -383,6 +417,20 @@ def test_a_killed_engine_process_fails_its_requests_clearly_and_the_server_comes
     assert tritonserver_pid(server) != first_pid
     code, reply = post(server, body("alive again"))
     assert code == 200, reply
+
+
+def test_an_engine_process_stuck_on_its_way_out_logs_its_stacks_and_ends():
+    """What the engine's finalize arms: a stub whose exit waits forever (here on a thread that
+    never ends, which the interpreter joins at exit) would keep an unloaded version's memory."""
+    code = ("import threading, time\n"
+            "from cubeserve.serving.stubs import end_this_process_after\n"
+            "threading.Thread(target=time.sleep, args=(3600,), name='never-ends').start()\n"
+            "end_this_process_after(1.0)\n")
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - started < 30
+    assert ended.returncode == 1, ended
+    assert "Timeout (0:00:01)!" in ended.stderr and "threading.py" in ended.stderr, ended.stderr
 
 
 @pytest.mark.parametrize("on_fault", ["restart", "exit"])

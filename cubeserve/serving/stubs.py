@@ -10,9 +10,11 @@ endpoint answers 200. The supervisor and the predict model watch the stubs with 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 STUB_EXECUTABLE = "triton_python_backend_stub"
@@ -117,3 +119,12 @@ def kill_leftover_stubs(stubs: dict[int, Path]) -> list[int]:
             except ProcessLookupError:
                 pass
     return killed
+
+
+def end_this_process_after(seconds: float) -> None:
+    """A stub on its way out (after finalize) that still runs `seconds` from now: its threads'
+    stacks go to stderr (the server's log) and it ends. Until a stub ends, Triton's unload of its
+    model does not finish and the engine's memory stays taken; an exit hook that hangs (a
+    library's, a thread that never ends) must not keep it. faulthandler's timer is a C thread:
+    it fires also while the interpreter shuts down, where a Python thread could not run."""
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)

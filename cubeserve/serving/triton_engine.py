@@ -33,10 +33,12 @@ from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
+from cubeserve.serving.stubs import end_this_process_after
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
 from cubeserve.serving.triton_metrics import Measurements, locked
 
 CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
+EXIT_GRACE_S = 30.0  # after finalize: an engine process still running then is stuck on its way out
 
 
 def _inputs(request) -> dict[str, np.ndarray | None]:
@@ -253,4 +255,9 @@ class EngineModel:
         ticket.future.add_done_callback(done)
 
     def finalize(self):
+        # Logged: until this returns, the unloaded version's process and its memory stay.
+        started = time.monotonic()
         self.scheduler.stop()
+        pb_utils.Logger.log_info(f"cube3d engine of version {self.version} stopped in "
+                                 f"{time.monotonic() - started:.1f} s")
+        end_this_process_after(EXIT_GRACE_S)
