@@ -1,5 +1,5 @@
 """The processes of a tritonserver, found through /proc (Linux): its process tree, and the python
-backend's stub processes among them.
+backend's stub processes among them; and a stub's guarantee that it ends once finalized.
 
 Triton runs every python_backend model instance in a process of its own
 (`triton_python_backend_stub <repository>/<model>/<version>/model.py ...`, a child of
@@ -11,6 +11,7 @@ endpoint answers 200. The supervisor and the predict model watch the stubs with 
 from __future__ import annotations
 
 import faulthandler
+import math
 import os
 import re
 import signal
@@ -128,3 +129,6 @@ def end_this_process_after(seconds: float) -> None:
     library's, a thread that never ends) must not keep it. faulthandler's timer is a C thread:
     it fires also while the interpreter shuts down, where a Python thread could not run."""
     faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+    # faulthandler stops watching when the interpreter is torn down, and what runs after it (C++
+    # destructors) could hang too: SIGALRM, whose default action ends the process, covers that.
+    signal.alarm(math.ceil(2 * seconds))
