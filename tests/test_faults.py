@@ -332,6 +332,7 @@ def test_unloading_the_engine_finishes_running_and_waiting_requests_then_refuses
     threads = [start(lambda i: results.__setitem__(i, post(server, body(f"burst {i}", seed=i))), i) for i in range(3)]
     wait_for(lambda: metrics(server).get("cube3d_requests_waiting/v1", 0) == 2)
     admin = httpclient.InferenceServerClient(server.http_url)
+    log_at_unload = len(server.log_path.read_bytes())
     admin.unload_model("cube3d_stream")
     for t in threads:
         t.join(120)
@@ -353,6 +354,8 @@ def test_unloading_the_engine_finishes_running_and_waiting_requests_then_refuses
     assert unloaded_engine not in engine_stubs(server), (
         f"the unloaded engine's process {unloaded_engine} still runs 90 s after its reload: "
         f"{describe_process(unloaded_engine)}\n{log_lines(server, 'cube3d_stream', 'engine', 'Timeout', 'Thread', 'File')}")
+    # its finalize ran (which arms the timers that end a stuck exit) and said how long it took
+    assert logged_since(server, log_at_unload, "cube3d engine of version 1 stopped in")
 
 
 # -- the engine's process dies --------------------------------------------------------------------
