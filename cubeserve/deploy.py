@@ -8,10 +8,16 @@ port or a flag changes here first and the YAML follows.
 
 from __future__ import annotations
 
+import re
+import secrets
+
 # Triton's own defaults, also used by `cubeserve serve` and `cube3d-client` on a laptop.
 HTTP_PORT = 8000  # REST: the KServe predict API (Open Inference Protocol v2) and generate_stream
 GRPC_PORT = 8001  # gRPC: ModelInfer and the decoupled stream
 METRICS_PORT = 8002  # Prometheus text format
+# tritonserver's own REST endpoint, on the loopback only: clients reach HTTP_PORT, where the
+# supervisor's front end (serving/front.py) checks every request and forwards it here.
+TRITON_HTTP_PORT = 8010
 
 READY_PATH = "/v2/health/ready"  # 200 once every model in the repository is loaded
 LIVE_PATH = "/v2/health/live"  # 200 while the server process is healthy
@@ -45,6 +51,48 @@ EXIT_TIMEOUT_S = REQUEST_TIMEOUT_S
 HTTP_HEADER_FORWARD_PATTERN = "(?i)^x-cube3d-"
 GRPC_HEADER_FORWARD_PATTERN = "^x-cube3d-"
 
+# -- the admin surface (README, "Security") ------------------------------------------------------
+# Triton's APIs that only an operator may call: over HTTP and gRPC alike, tritonserver refuses
+# them without the header ADMIN_HEADER carrying the admin key (--http-restricted-api,
+# --grpc-restricted-protocol), and so does the front end. Health, metadata, model config and
+# inference stay open (probes and every client need them).
+RESTRICTED_APIS = ("shared-memory", "model-repository", "logging", "trace", "statistics")
+# Not x-cube3d-...: the header-forward patterns below would hand it to the models.
+ADMIN_HEADER = "cube3d-admin-key"
+# Triton's gRPC frontend prefixes the key of a restricted protocol (grpc_server.h,
+# kRestrictedProtocolHeaderTemplate at v2.51.0): the metadata a gRPC admin call carries.
+GRPC_ADMIN_METADATA = "triton-grpc-protocol-" + ADMIN_HEADER
+# The key comes from this environment variable: on Kubernetes the Secret ADMIN_SECRET (key
+# ADMIN_KEY_ENV); where it is unset the supervisor locks the APIs with a random key nobody holds.
+ADMIN_KEY_ENV = "CUBE3D_ADMIN_KEY"
+ADMIN_SECRET = "cube-serve-admin"
+# Characters Triton's flag parser takes in a value (no ':', ',' or '='), and a length worth guessing.
+ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{32,512}")
+# Request bodies the front end reads: an inference request is a prompt and a few numbers (the
+# prompt is at most 4096 bytes); an admin's model load carries the version's files.
+MAX_REQUEST_BYTES = 1 << 20
+MAX_ADMIN_REQUEST_BYTES = 1 << 30
+
+
+def new_admin_key() -> str:
+    return secrets.token_hex(32)
+
+
+def check_admin_key(key: str) -> str:
+    if not ADMIN_KEY_PATTERN.fullmatch(key):
+        raise ValueError(f"{ADMIN_KEY_ENV}: must be 32 to 512 characters of A-Z a-z 0-9 . _ ~ - "
+                         "(e.g. `openssl rand -hex 32`)")
+    return key
+
+
+def restricted_api_flags(key: str) -> list[str]:
+    """tritonserver's flags that lock RESTRICTED_APIS behind ADMIN_HEADER = `key`."""
+    apis = ",".join(RESTRICTED_APIS)
+    check_admin_key(key)
+    return [f"--http-restricted-api={apis}:{ADMIN_HEADER}={key}",
+            f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={key}"]
+
+
 # Flags every tritonserver of this project runs with, here and on a laptop: the config.pbtxt
 # files are complete, so Triton must not rewrite them from what model.py reports; the exit
 # timeout above; the experiment's headers.
@@ -56,12 +104,15 @@ COMMON_FLAGS = ("--disable-auto-complete-config", f"--exit-timeout-secs={EXIT_TI
 def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     """The server's arguments in a container (after the `tritonserver` executable).
 
-    It listens on all interfaces of the pod (Triton's default address); the ports are Triton's
-    defaults written out, because the probes, the Service and the Prometheus annotations name them.
+    REST listens on the pod's loopback only (the supervisor's front end is HTTP_PORT); gRPC and
+    metrics on all interfaces of the pod (Triton's default address); the ports are written out,
+    because the probes, the Service and the Prometheus annotations name them. The restricted APIs'
+    flags are added by the supervisor, which holds the key (never in a manifest).
     """
     return [
         f"--model-store={model_repository}",
-        f"--http-port={HTTP_PORT}",
+        "--http-address=127.0.0.1",
+        f"--http-port={TRITON_HTTP_PORT}",
         f"--grpc-port={GRPC_PORT}",
         f"--metrics-port={METRICS_PORT}",
         "--allow-http=true",
@@ -71,11 +122,13 @@ def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     ]
 
 
-# tritonserver runs under cubeserve's supervisor (cubeserve/serving/supervisor.py): when a python
-# backend stub dies, Triton keeps answering ready while the model fails every request; the
-# supervisor stops the server (readiness fails at once) and exits, and the kubelet restarts the
-# container.
-SUPERVISOR = ["python3", "-m", "cubeserve.serving.supervisor", "--on-fault", "exit", "--"]
+# tritonserver runs under cubeserve's supervisor (cubeserve/serving/supervisor.py): it serves the
+# REST front end on HTTP_PORT (all interfaces of the pod), locks the admin APIs with the key of
+# ADMIN_KEY_ENV, and when a python backend stub dies (Triton keeps answering ready while the model
+# fails every request) it stops the server (readiness fails at once) and exits, and the kubelet
+# restarts the container.
+SUPERVISOR = ["python3", "-m", "cubeserve.serving.supervisor", "--on-fault", "exit",
+              "--rest-address=0.0.0.0", f"--rest-port={HTTP_PORT}", "--"]
 
 
 def server_command(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
@@ -101,7 +154,7 @@ PRESTOP_MAX_S = DRAIN_TIMEOUT_S + 10
 TERMINATION_GRACE_PERIOD_S = PRESTOP_MAX_S + EXIT_TIMEOUT_S + 30
 
 
-def drain_command(http_port: int = HTTP_PORT, metrics_port: int = METRICS_PORT,
+def drain_command(http_port: int = TRITON_HTTP_PORT, metrics_port: int = METRICS_PORT,
                   timeout: float = DRAIN_TIMEOUT_S, settle: float = DRAIN_SETTLE_S) -> list[str]:
     """The preStop hook's command (the image's python3, as the supervisor's)."""
     return [SUPERVISOR[0], "-m", "cubeserve.serving.drain", f"--http-port={http_port}",

@@ -26,6 +26,7 @@ from typing import NamedTuple
 from kfp import dsl, kubernetes
 from kfp.dsl import HTML, Metrics, Output, PipelineTaskFinalStatus
 
+from cubeserve import deploy
 from cubeserve.pipeline.serving import ROLLOUT_DEADLINE_S
 
 PIPELINE_NAME = "cube3d-checkpoint-rollout"
@@ -33,6 +34,9 @@ S3_SECRET = "cube-serve-s3"
 S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 MLFLOW_SECRET = "cube-serve-mlflow"
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+# Target local loads versions through tritonserver's model-repository API, an admin API (README,
+# "Security"): these steps get the admin key from the Secret deploy.ADMIN_SECRET where it exists.
+ADMIN_STEPS = ("roll_out", "finish")
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -187,6 +191,9 @@ def _pod(task: dsl.PipelineTask, step: str) -> dsl.PipelineTask:
     if retries:
         task.set_retry(num_retries=retries, backoff_duration="30s")
     kubernetes.set_timeout(task, deadline)
+    if step in ADMIN_STEPS:  # only the steps that load versions into a local tritonserver hold the key
+        kubernetes.use_secret_as_env(task, deploy.ADMIN_SECRET, {deploy.ADMIN_KEY_ENV: deploy.ADMIN_KEY_ENV},
+                                     optional=True)
     return _with_secrets(task)
 
 

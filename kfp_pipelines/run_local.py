@@ -23,6 +23,8 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
+from cubeserve import deploy
+
 LOCAL_IMAGE = "cube-serve:local"
 BUCKET = "cube-serve"
 MODEL_STORE = f"s3://{BUCKET}/models/cube3d"
@@ -112,6 +114,10 @@ class LocalCluster:
         from kfp_pipelines.pod_runner import PodRunner
 
         namespace = {"cube-serve-s3": self.store.env(), **(secrets or {})}
+        # The admin key of the server started here, or of the one given (from this environment).
+        key = self.server.admin_key if self.server else os.environ.get(deploy.ADMIN_KEY_ENV)
+        if key and deploy.ADMIN_SECRET not in namespace:
+            namespace[deploy.ADMIN_SECRET] = {deploy.ADMIN_KEY_ENV: key}
         return PodRunner(compiled, images={LOCAL_IMAGE: Path(sys.executable).parent},
                          secrets={k: v for k, v in namespace.items() if v is not None},
                          pipeline_root=PIPELINE_ROOT, workdir=self.state / "pods", upload=storage.upload_path)
@@ -146,7 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--state", default=str(DEFAULT_STATE),
                         help="the object store's and the registry's data (default: %(default)s)")
     parser.add_argument("--triton-url", default="", help="REST host:port of a server with explicit model "
-                                                         "control (default: start one)")
+                                                         "control (default: start one); its admin key in "
+                                                         "$CUBE3D_ADMIN_KEY")
     parser.add_argument("--prometheus-url", default="", help="Prometheus scraping that server (default: start one "
                                                              "with the server; none with --triton-url)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=JSON",

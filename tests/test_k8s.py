@@ -314,7 +314,8 @@ def test_the_raw_overlays_drain_a_pod_before_it_stops(overlay):
         assert hook == {"preStop": {"exec": {"command": deploy.PRESTOP_COMMAND}}}
         options = drain.build_parser().parse_args(deploy.PRESTOP_COMMAND[3:])  # the command parses
         assert deploy.PRESTOP_COMMAND[:3] == [deploy.SUPERVISOR[0], "-m", "cubeserve.serving.drain"]
-        assert (options.http_port, options.metrics_port) == (deploy.HTTP_PORT, deploy.METRICS_PORT)
+        # it finds tritonserver by its own REST port (behind the front end)
+        assert (options.http_port, options.metrics_port) == (deploy.TRITON_HTTP_PORT, deploy.METRICS_PORT)
         assert options.timeout == deploy.DRAIN_TIMEOUT_S >= deploy.REQUEST_TIMEOUT_S
         assert deploy.PRESTOP_MAX_S > options.timeout + options.settle
         grace = predictor["terminationGracePeriodSeconds"]
@@ -355,13 +356,59 @@ def test_runtime_args_are_the_deploy_modules(overlay):
     assert all("args" not in isvc["spec"]["predictor"]["model"] for isvc in isvcs(objects))
 
 
+def test_the_admin_key_comes_from_a_secret_and_the_pod_locks_the_admin_apis(overlay):
+    """README, "Security": the pod's container gets the admin key from the Secret (never a value
+    in the manifests; not optional, so a pod without it does not start), and its command, run
+    by the supervisor, gives tritonserver the restricted-API flags for HTTP and gRPC."""
+    from cubeserve.serving import supervisor
+
+    _, objects = overlay
+    runtime = find(objects, "ServingRuntime")
+    for isvc in isvcs(objects):
+        container = kserve_pod(isvc, runtime)["spec"]["containers"][0]
+        [env] = [e for e in container["env"] if e["name"] == deploy.ADMIN_KEY_ENV]
+        assert env == {"name": deploy.ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": deploy.ADMIN_SECRET, "key": deploy.ADMIN_KEY_ENV}}}
+        args = container["args"]
+        command = args[args.index("--") + 1:]
+        key = deploy.new_admin_key()
+        locked = supervisor.locked_command(command, deploy.HTTP_PORT, key)
+        apis = ",".join(deploy.RESTRICTED_APIS)
+        assert locked[-2:] == [f"--http-restricted-api={apis}:{deploy.ADMIN_HEADER}={key}",
+                               f"--grpc-restricted-protocol={apis}:{deploy.ADMIN_HEADER}={key}"]
+    # No key of any kind is written in k8s/.
+    text = "\n".join(p.read_text() for p in (REPO / "k8s").rglob("*.yaml"))
+    assert not re.search(r"[0-9a-f]{32,}", text)
+    assert set(deploy.RESTRICTED_APIS) == {"shared-memory", "model-repository", "logging", "trace", "statistics"}
+
+
+def test_the_supervisor_refuses_a_tritonserver_reachable_from_outside():
+    from cubeserve.serving.supervisor import locked_command
+
+    key = deploy.new_admin_key()
+    for command, problem in (
+            (["tritonserver", "--http-port=8010"], "loopback"),  # Triton's default address is 0.0.0.0
+            (["tritonserver", "--http-address=0.0.0.0", "--http-port=8010"], "loopback"),
+            (["tritonserver", "--http-address=127.0.0.1", "--http-port=8000"], "must differ"),
+            (["tritonserver", "--http-address=127.0.0.1", "--http-port=8010", "--http-restricted-api=trace:a=b"],
+             "sets the restricted APIs itself")):
+        with pytest.raises(ValueError, match=problem):
+            locked_command(command, deploy.HTTP_PORT, key)
+    for bad in ("", "short", "x" * 40 + ":y", "k=" + "x" * 40):
+        with pytest.raises(ValueError, match=deploy.ADMIN_KEY_ENV):
+            deploy.check_admin_key(bad)
+
+
 def test_ports_probes_and_metrics_are_the_deploy_modules(overlay):
     _, objects = overlay
     container = runtime_container(objects)
     assert [p["containerPort"] for p in container["ports"]] == [deploy.HTTP_PORT]
     args = container["args"]
-    assert f"--http-port={deploy.HTTP_PORT}" in args and f"--grpc-port={deploy.GRPC_PORT}" in args
-    assert f"--metrics-port={deploy.METRICS_PORT}" in args
+    # clients reach the supervisor's front end; tritonserver's REST is on the pod's loopback
+    supervisor, tritonserver = args[:args.index("--")], args[args.index("--") + 1:]
+    assert f"--rest-port={deploy.HTTP_PORT}" in supervisor and "--rest-address=0.0.0.0" in supervisor
+    assert f"--http-port={deploy.TRITON_HTTP_PORT}" in tritonserver and "--http-address=127.0.0.1" in tritonserver
+    assert f"--grpc-port={deploy.GRPC_PORT}" in tritonserver and f"--metrics-port={deploy.METRICS_PORT}" in tritonserver
     runtime = find(objects, "ServingRuntime")
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/port"] == str(deploy.METRICS_PORT)
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/path"] == deploy.METRICS_PATH
@@ -513,8 +560,8 @@ def test_dockerfile_builds_the_runtime_the_manifests_expect():
         [deploy.HTTP_PORT, deploy.GRPC_PORT, deploy.METRICS_PORT]
     runs = " ".join(by("RUN"))
     assert '"torch==${TORCH_VERSION}"' in runs and "ARG" in dict(steps) and "TORCH_VERSION=2.13.0" in by("ARG")
-    # Warp (marching cubes on the GPU) and everything the pipeline's steps import
-    assert 'pip install --no-cache-dir ".[gpu,pipeline]"' in runs
+    # Warp (marching cubes on the GPU), everything the pipeline's steps import, the supervisor's front end
+    assert 'pip install --no-cache-dir ".[gpu,pipeline,front]"' in runs
     assert ["models/demo", f"./triton_models/{deploy.STREAM_MODEL}/1/weights"] in copies
     # The build context's filter keeps local weights out of the image.
     ignore = (REPO / "k8s" / "Dockerfile.dockerignore").read_text().split()

@@ -465,10 +465,10 @@ def test_the_images_install_line_provides_every_module_the_steps_import(tmp_path
             out = subprocess.run(["sh", "-c", command], cwd=context, env=env, capture_output=True, text=True,
                                  timeout=1200)
             assert out.returncode == 0, out.stderr[-3000:]
-            installed = ".[gpu,pipeline]" in command
+            installed = ".[gpu,pipeline,front]" in command
             if installed:
                 break
-    assert installed, "the Dockerfile installs the package with its gpu and pipeline extras"
+    assert installed, "the Dockerfile installs the package with its gpu, pipeline and front extras"
     modules = sorted(_imported_modules())
     check = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
     out = subprocess.run([str(venv / "bin" / "python"), "-c", check, *modules], capture_output=True, text=True,

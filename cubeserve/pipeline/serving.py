@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import tempfile
 import threading
 import time
@@ -56,6 +57,19 @@ def _model_config_json(config_pbtxt: str, versions: list[int], experiment: str =
     return json_format.MessageToJson(config, preserving_proto_field_name=True)
 
 
+def admin_headers() -> dict[str, str]:
+    """The admin header for tritonserver's model-repository API (README, "Security"), with the key
+    the step got from the Secret (cubeserve.deploy.ADMIN_SECRET)."""
+    from cubeserve import deploy
+
+    key = os.environ.get(deploy.ADMIN_KEY_ENV)
+    if not key:
+        raise RuntimeError(f"target 'local' loads versions through tritonserver's model-repository API, an admin "
+                           f"API: give the server's admin key as ${deploy.ADMIN_KEY_ENV} (the Secret "
+                           f"{deploy.ADMIN_SECRET})")
+    return {deploy.ADMIN_HEADER: key}
+
+
 def serve_versions(triton_url: str, model_store: str, versions: list[int], experiment: str = "",
                    models: tuple[str, ...] = (STREAM_MODEL, PREDICT_MODEL)) -> None:
     """Make the local server serve exactly `versions` of the model store (none: unload both),
@@ -67,11 +81,12 @@ def serve_versions(triton_url: str, model_store: str, versions: list[int], exper
     from cubeserve import storage
     from cubeserve.pipeline.steps import version_uri
 
+    headers = admin_headers()
     client = httpclient.InferenceServerClient(triton_url, network_timeout=600.0)
     try:
         if not versions:
             for model in (PREDICT_MODEL, STREAM_MODEL):
-                client.unload_model(model)
+                client.unload_model(model, headers=headers)
             return
         with tempfile.TemporaryDirectory() as tmp:
             for v in versions:
@@ -85,7 +100,7 @@ def serve_versions(triton_url: str, model_store: str, versions: list[int], exper
                         files[f"file:{v}/{f.relative_to(root).as_posix()}"] = f.read_bytes()
                 config = _model_config_json((newest / model / "config.pbtxt").read_text(), versions,
                                             experiment if model == PREDICT_MODEL else "")
-                client.load_model(model, config=config, files=files)
+                client.load_model(model, headers=headers, config=config, files=files)
         for model in models:
             for v in versions:
                 if not client.is_model_ready(model, str(v)):

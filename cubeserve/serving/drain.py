@@ -32,7 +32,7 @@ waits for what they accepted:
 A terminating pod leaves its Service's ready endpoints whatever its readiness probe says, so
 Triton's readiness staying 200 during the drain sends no traffic to it.
 
-    python -m cubeserve.serving.drain [--http-port 8000] [--metrics-port 8002] [--timeout S] [--settle S]
+    python -m cubeserve.serving.drain [--http-port 8010] [--metrics-port 8002] [--timeout S] [--settle S]
 
 Exit status: 0 drained (or no server to drain), 1 requests still in progress at the timeout.
 """
@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m cubeserve.serving.drain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--http-port", type=int, default=deploy.HTTP_PORT, help="finds the tritonserver process")
+    parser.add_argument("--http-port", type=int, default=deploy.TRITON_HTTP_PORT,
+                        help="tritonserver's own REST port (its --http-port): finds the tritonserver process")
     parser.add_argument("--metrics-port", type=int, default=deploy.METRICS_PORT)
     parser.add_argument("--timeout", type=float, default=deploy.DRAIN_TIMEOUT_S,
                         help="seconds to wait for requests in progress at most")

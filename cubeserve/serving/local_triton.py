@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from cubeserve import deploy
-from cubeserve.serving.stubs import kill_leftover_stubs, process_tree, stub_processes
+from cubeserve.serving.stubs import process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "triton_models"
@@ -63,22 +63,32 @@ def free_port() -> int:
 
 
 class LocalTriton:
-    """A tritonserver process bound to 127.0.0.1, stopped by its PID.
+    """A tritonserver bound to 127.0.0.1 under cubeserve's supervisor (`process`; tritonserver is
+    its child), stopped by its PID, as a pod runs it: clients reach the supervisor's REST front
+    end on `http_port`, tritonserver's own REST endpoint is `triton_http_port`, and the admin
+    APIs need `admin_headers` (HTTP) or `grpc_admin_headers` (gRPC metadata).
 
-    `supervised`: run it under cubeserve.serving.supervisor, which starts it again when a python
-    backend stub dies (`process` is then the supervisor; tritonserver is its child), giving the
-    other requests `fault_grace` seconds to finish first; `on_fault="exit"` makes it exit
-    instead, as in a container; `drained_grace`: see the supervisor's --drained-grace."""
+    `supervised`: the supervisor also starts tritonserver again when a python backend stub dies,
+    giving the other requests `fault_grace` seconds to finish first; `on_fault="exit"` makes it
+    exit instead, as in a container; unsupervised, a dead stub is left to the models (the
+    supervisor's --on-fault none). `drained_grace`: see the supervisor's --drained-grace.
+    `admin_key`: default $CUBE3D_ADMIN_KEY, else a new one for this server."""
 
     def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = deploy.HTTP_PORT,
                  grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
                  log_path: str | Path | None = None,
                  extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False,
                  fault_grace: float = 10.0, on_fault: str = "restart", drained_grace: float | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, triton_http_port: int | None = None,
+                 admin_key: str | None = None):
         self.model_repository = Path(model_repository)
         self.extra_env = dict(env or {})  # e.g. CUBE3D_EXPERIMENT_FILE
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        if triton_http_port is None:
+            triton_http_port = deploy.TRITON_HTTP_PORT if http_port == deploy.HTTP_PORT else free_port()
+        self.triton_http_port = triton_http_port
+        self.admin_key = deploy.check_admin_key(admin_key or os.environ.get(deploy.ADMIN_KEY_ENV)
+                                                or deploy.new_admin_key())
         self.log_path = Path(log_path) if log_path else None
         self.extra_args = tuple(extra_args)
         self.verbose = verbose
@@ -99,12 +109,20 @@ class LocalTriton:
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {deploy.ADMIN_HEADER: self.admin_key}
+
+    @property
+    def grpc_admin_headers(self) -> dict[str, str]:
+        return {deploy.GRPC_ADMIN_METADATA: self.admin_key}
+
     def command(self) -> list[str]:
-        if self.supervised:
-            grace = [] if self.drained_grace is None else ["--drained-grace", str(self.drained_grace)]
-            return [sys.executable, "-m", "cubeserve.serving.supervisor", "--on-fault", self.on_fault,
-                    "--fault-grace", str(self.fault_grace), *grace, "--", *self.server_command()]
-        return self.server_command()
+        grace = [] if self.drained_grace is None else ["--drained-grace", str(self.drained_grace)]
+        return [sys.executable, "-m", "cubeserve.serving.supervisor",
+                "--on-fault", self.on_fault if self.supervised else "none",
+                "--fault-grace", str(self.fault_grace), *grace,
+                "--rest-address=127.0.0.1", f"--rest-port={self.http_port}", "--", *self.server_command()]
 
     def server_command(self) -> list[str]:
         home = tritonserver_home()
@@ -112,7 +130,7 @@ class LocalTriton:
             str(home / "bin" / "tritonserver"),
             f"--model-repository={self.model_repository}",
             f"--backend-directory={home / 'backends'}",
-            "--http-address=127.0.0.1", f"--http-port={self.http_port}",
+            "--http-address=127.0.0.1", f"--http-port={self.triton_http_port}",
             "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
             *deploy.COMMON_FLAGS,
@@ -128,6 +146,7 @@ class LocalTriton:
             env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [libdir, env.get("LD_LIBRARY_PATH")]))
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.extra_env)
+        env[deploy.ADMIN_KEY_ENV] = self.admin_key  # the supervisor locks the admin APIs with it
         return env
 
     def start(self, timeout: float = 300.0) -> "LocalTriton":
@@ -164,7 +183,6 @@ class LocalTriton:
         tritonserver and its stubs running."""
         if self.process is None or self.process.poll() is not None:
             return
-        stubs = {} if self.supervised else stub_processes(self.process.pid)  # the supervisor reaps its own
         tree = {pid: _cmdline(pid) for pid in process_tree(self.process.pid)}
         self.process.send_signal(signal.SIGTERM)
         try:
@@ -177,7 +195,6 @@ class LocalTriton:
                     except ProcessLookupError:
                         pass
             self.process.wait()
-        kill_leftover_stubs(stubs)
         if self._log_file:
             self._log_file.close()
 

@@ -26,6 +26,13 @@ exit), after it had started, is a fault too: restarted (`restart`, after a pause
 crashes follow each other) or reported by exiting (`exit`). One that fails before its endpoint
 ever answered (a bad model repository, a taken port) is not restarted: a new start fails the same way.
 
+The supervisor also holds the server's public REST port: its front end (serving/front.py) checks
+every request and forwards it to tritonserver's own REST endpoint, which must listen on the
+loopback only (`--http-address=127.0.0.1`); and it locks Triton's admin APIs (cubeserve.deploy.
+RESTRICTED_APIS, HTTP and gRPC) with the key in $CUBE3D_ADMIN_KEY, or with a random key nobody
+holds when that is unset. `--on-fault none` (local servers whose tests kill stubs on purpose) does
+neither 1. nor 2. above: a tritonserver that ends ends the supervisor.
+
 SIGTERM or SIGINT to the supervisor is passed to tritonserver, and the supervisor waits for it as
 long as it takes (Triton's own shutdown: it waits for open connections and requests in flight up
 to its --exit-timeout-secs, cubeserve.deploy.EXIT_TIMEOUT_S); the supervisor exits with
@@ -36,7 +43,8 @@ stops, idle keep-alive connections too (an ingress controller's or a router's po
 minutes), and would hold the pod, and its GPU, for the whole exit timeout with nothing to do:
 every request on those connections is refused by the drain, so killing it loses nothing.
 
-    python -m cubeserve.serving.supervisor [--on-fault exit|restart] -- tritonserver ARGS...
+    python -m cubeserve.serving.supervisor [--on-fault exit|restart|none] --rest-port PORT \
+        [--rest-address ADDRESS] -- tritonserver --http-address=127.0.0.1 --http-port=PORT2 ARGS...
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -52,7 +61,9 @@ import time
 import urllib.error
 import urllib.request
 
+from cubeserve import deploy
 from cubeserve.serving.drain import clear_markers, in_progress, is_draining
+from cubeserve.serving.front import FrontEnd
 from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
 
 log = logging.getLogger("cubeserve.supervisor")
@@ -78,12 +89,47 @@ def http_port(command: list[str], default: int = 8000) -> int:
     return _port(command, "--http-port", default)
 
 
+def _flag(command: list[str], flag: str) -> str | None:
+    for arg in command:
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def locked_command(command: list[str], rest_port: int, key: str) -> list[str]:
+    """tritonserver's command with the admin APIs locked by `key`; refuses one whose REST
+    endpoint would be reachable from outside (the front end must be the only way in)."""
+    if _flag(command, "--http-address") != "127.0.0.1":
+        raise ValueError("tritonserver's REST endpoint must listen on the loopback only: give "
+                         "--http-address=127.0.0.1 (clients reach the front end on --rest-port)")
+    if http_port(command) == rest_port:
+        raise ValueError(f"tritonserver's --http-port must differ from --rest-port ({rest_port})")
+    if any(arg.startswith(("--http-restricted-api", "--grpc-restricted-protocol")) for arg in command):
+        raise ValueError("the supervisor sets the restricted APIs itself (cubeserve.deploy.RESTRICTED_APIS)")
+    return [*command, *deploy.restricted_api_flags(key)]
+
+
+def admin_key_from_env(env: dict) -> str:
+    key = env.get(deploy.ADMIN_KEY_ENV)
+    if key is None:
+        log.warning("%s is not set: the admin APIs (%s) are locked with a random key nobody holds",
+                    deploy.ADMIN_KEY_ENV, ", ".join(deploy.RESTRICTED_APIS))
+        return deploy.new_admin_key()
+    return deploy.check_admin_key(key)
+
+
 class Supervisor:
     def __init__(self, command: list[str], on_fault: str = "restart", poll_s: float = 0.5,
-                 fault_grace_s: float = 10.0, env: dict | None = None, drained_grace_s: float = DRAINED_GRACE_S):
-        if on_fault not in ("restart", "exit"):
-            raise ValueError(f"on_fault must be 'restart' or 'exit', got {on_fault!r}")
-        self.command, self.on_fault, self.env = list(command), on_fault, env
+                 fault_grace_s: float = 10.0, env: dict | None = None, drained_grace_s: float = DRAINED_GRACE_S,
+                 rest_port: int = deploy.HTTP_PORT, rest_address: str = "127.0.0.1"):
+        if on_fault not in ("restart", "exit", "none"):
+            raise ValueError(f"on_fault must be 'restart', 'exit' or 'none', got {on_fault!r}")
+        env = dict(os.environ if env is None else env)
+        key = admin_key_from_env(env)
+        env.pop(deploy.ADMIN_KEY_ENV, None)  # the models need not see it
+        self.command, self.on_fault, self.env = locked_command(list(command), rest_port, key), on_fault, env
+        self.admin_headers = {deploy.ADMIN_HEADER: key}
+        self.front = FrontEnd(rest_address, rest_port, http_port(command), key)
         self.poll_s, self.fault_grace_s, self.drained_grace_s = poll_s, fault_grace_s, drained_grace_s
         self.index_url = f"http://127.0.0.1:{http_port(command)}/v2/repository/index"
         self.metrics_url = f"http://127.0.0.1:{_port(command, '--metrics-port', 8002)}/metrics"
@@ -94,7 +140,7 @@ class Supervisor:
 
     def ready_versions(self) -> set[tuple[str, str]] | None:
         """(model, version) pairs Triton reports READY; None when it does not answer."""
-        request = urllib.request.Request(self.index_url, data=b"{}", method="POST")
+        request = urllib.request.Request(self.index_url, data=b"{}", method="POST", headers=self.admin_headers)
         try:
             with urllib.request.urlopen(request, timeout=5) as reply:
                 index = json.loads(reply.read())
@@ -122,6 +168,17 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward_signal)
+        try:
+            self.front.start()
+        except RuntimeError as exc:
+            log.error("%s", exc)
+            return 1
+        try:
+            return self._run()
+        finally:
+            self.front.stop()
+
+    def _run(self) -> int:
         backoff = 0.0
         while True:
             started = time.monotonic()
@@ -131,7 +188,7 @@ class Supervisor:
             if kill_leftover_stubs(self.stubs):
                 log.warning("killed python backend stubs that outlived tritonserver")
             self.stubs.clear()
-            if fault is None:
+            if fault is None or self.on_fault == "none":
                 return code  # tritonserver exited by itself, or was told to
             if self.on_fault == "exit":
                 return FAULT_EXIT_CODE
@@ -156,8 +213,8 @@ class Supervisor:
                 return code, "tritonserver crashed"
             if self._stop.is_set():
                 return self._wait_for_shutdown(), None
-            seen, dead = self.dead_models(seen)
-            if dead:
+            seen, dead = self.dead_models(seen)  # also records the stubs, to reap any that outlive it
+            if dead and self.on_fault != "none":
                 names = ", ".join(f"{m} version {v}" for m, v in sorted(dead))
                 log.error("the python backend stub of %s died while Triton reports it READY; stopping "
                           "tritonserver (readiness now fails)", names)
@@ -201,13 +258,17 @@ class Supervisor:
 
     def _forward_signal(self, signum, frame) -> None:
         self._stop.set()
+        self.front.stopping = True
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--on-fault", choices=["restart", "exit"], default="restart")
+    parser.add_argument("--on-fault", choices=["restart", "exit", "none"], default="restart")
+    parser.add_argument("--rest-port", type=int, required=True,
+                        help="the public REST port: the front end, forwarding to tritonserver's --http-port")
+    parser.add_argument("--rest-address", default="127.0.0.1", help="the front end's address (0.0.0.0 in a pod)")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the stubs")
     parser.add_argument("--fault-grace", type=float, default=10.0,
                         help="seconds tritonserver gets to finish other requests after a stub died")
@@ -219,8 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the server's command after --")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cubeserve supervisor: %(message)s")
-    return Supervisor(command, args.on_fault, args.poll, args.fault_grace,
-                      drained_grace_s=args.drained_grace).run()
+    try:
+        supervisor = Supervisor(command, args.on_fault, args.poll, args.fault_grace, drained_grace_s=args.drained_grace,
+                                rest_port=args.rest_port, rest_address=args.rest_address)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return supervisor.run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,450 @@
+"""The REST front end: what clients reach on the REST port, in front of tritonserver's own HTTP
+endpoint, which listens on the loopback only (cubeserve.deploy.TRITON_HTTP_PORT).
+
+Why: Triton 2.51's HTTP frontend crashes (SIGSEGV, every request in flight lost) on bodies a
+careless script sends: a JSON body of 8 MB or more without a JSON Content-Type (what curl and
+urllib send by default), or a small body nested 100,000 deep. Newer Tritons fix some of these
+(server#8172 limits JSON depth, #8432 large JSON inputs, #8770 chunk counts; see README,
+"Security"), but the local server is 2.51 and no newer one installs here. So no byte a client
+sends reaches Triton's JSON parser: this front end reads the body within a bound (413 past it),
+parses it with Python's json module (which fails cleanly on any depth), checks it against the
+shape of the v2 request it may be (400 naming the field otherwise), and forwards a document it
+wrote itself: compact JSON of bounded size and depth, `Content-Type: application/json`, and the
+binary tensor extension's header recomputed. Responses come back as Triton wrote them.
+
+What it lets through, and to whom (the categories of Triton's --http-restricted-api):
+* to everyone: health, server and model metadata, model config, and inference (`infer`,
+  `generate`, `generate_stream`); a request naming shared memory is refused here, with a key or
+  without (the python backend's own regions must never be a client's output buffer);
+* with the admin header (cubeserve.deploy.ADMIN_HEADER) and only then: model repository,
+  shared memory, statistics, trace and logging; tritonserver checks the same header again;
+* nothing else: 404.
+
+Upstream, every request gets a connection of its own (no pool): tritonserver's HTTP endpoint
+waits for every open connection before it exits, so idle pooled connections would hold a
+stopping server; on the loopback a connection costs well under a millisecond.
+
+It runs inside cubeserve's supervisor (serving/supervisor.py), on a thread with its own asyncio
+loop, for as long as the supervisor does: while tritonserver restarts or shuts down, clients get
+503 "unavailable: ..." instead of a refused connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import re
+import threading
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+from cubeserve import deploy
+
+log = logging.getLogger("cubeserve.front")
+
+# v2 datatypes (Open Inference Protocol; Triton's BYTES and BF16 included).
+DATATYPES = frozenset({"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+                       "FP16", "FP32", "FP64", "BF16", "BYTES"})
+MAX_TENSORS = 32  # inputs, and outputs, of one request
+MAX_RANK = 8
+MAX_ELEMENTS = 1 << 24  # of one input tensor
+MAX_PARAMETERS = 32
+MAX_NAME_BYTES = 256
+MAX_STRING_BYTES = 1 << 20  # one string value in a request (the body bound applies as well)
+INT_RANGE = (-(1 << 63), (1 << 64) - 1)
+# Parameter keys that make Triton read or write a client's shared memory (Open Inference
+# Protocol's shared-memory extension): never accepted from outside.
+SHARED_MEMORY_KEYS = frozenset({"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"})
+
+_NAME = r"[A-Za-z0-9_.\-]{1,256}"
+_MODEL = rf"/v2/models/(?P<model>{_NAME})(?:/versions/(?P<version>[0-9]{{1,19}}))?"
+OPEN_GET = re.compile(rf"/v2|/v2/health/(?:live|ready)|{_MODEL}(?:/ready|/config)?")
+INFER = re.compile(rf"{_MODEL}/infer")
+GENERATE = re.compile(rf"{_MODEL}/generate(?:_stream)?")
+ADMIN = re.compile(
+    rf"/v2/repository/(?:index|models/{_NAME}/(?:load|unload))"
+    rf"|/v2/(?:system|cuda)sharedmemory(?:/region/{_NAME})?/(?:status|register|unregister)"
+    rf"|/v2/logging|/v2/trace/setting|/v2/models/{_NAME}/trace/setting"
+    rf"|/v2/models(?:/{_NAME}(?:/versions/[0-9]{{1,19}})?)?/stats")
+# Request headers passed on: the experiment's (deploy.HTTP_HEADER_FORWARD_PATTERN) and the
+# response encodings Triton may use.
+FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-[a-z0-9-]{1,64}$")
+RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
+
+
+class Refused(Exception):
+    """A request this front end answers itself: `status` and a message naming the field."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+# -- the request's document ------------------------------------------------------------------------
+
+def parse_json(data: bytes, what: str = "body") -> object:
+    """JSON from a client: strict (no NaN or Infinity), UTF-8, any depth fails cleanly."""
+    def no_constant(name):
+        raise ValueError(f"{name} is not a JSON number")
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=no_constant)
+    except RecursionError:
+        raise Refused(400, f"{what}: nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise Refused(400, f"{what}: not valid JSON ({exc})") from None
+
+
+def _string(value, where: str, limit: int = MAX_STRING_BYTES) -> str:
+    if not isinstance(value, str):
+        raise Refused(400, f"{where}: must be a string")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise Refused(400, f"{where}: is not valid UTF-8 (a lone surrogate)") from None
+    if size > limit:
+        raise Refused(400, f"{where}: is longer than {limit} bytes")
+    return value
+
+
+def _scalar(value, where: str):
+    if isinstance(value, str):
+        return _string(value, where)
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            raise Refused(400, f"{where}: {value} is outside [{INT_RANGE[0]}, {INT_RANGE[1]}]")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):  # 1e999 parses as inf
+            raise Refused(400, f"{where}: must be a finite number")
+        return value
+    raise Refused(400, f"{where}: must be a string, number or boolean")
+
+
+def _parameters(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise Refused(400, f"{where}: must be an object")
+    if len(value) > MAX_PARAMETERS:
+        raise Refused(400, f"{where}: has {len(value)} entries, at most {MAX_PARAMETERS} are allowed")
+    for key, item in value.items():
+        _string(key, f"{where}: a key", MAX_NAME_BYTES)
+        if key in SHARED_MEMORY_KEYS:
+            raise Refused(400, f"{where}.{key}: shared memory is not accepted by this server; "
+                               "send the tensor in the request")
+        if isinstance(item, (dict, list)):
+            raise Refused(400, f"{where}.{key}: must be a string, number or boolean")
+        _scalar(item, f"{where}.{key}")
+    return value
+
+
+def _only(doc: dict, allowed: set, where: str) -> None:
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        raise Refused(400, f"{where}.{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})")
+
+
+def _count_elements(data, where: str, depth_left: int) -> int:
+    """Elements of a v2 tensor's `data` (flat, or nested as its shape), each a scalar."""
+    if not isinstance(data, list):
+        _scalar(data, where)
+        return 1
+    if depth_left == 0:
+        raise Refused(400, f"{where}: is nested deeper than the tensor's shape")
+    count = 0
+    for item in data:
+        count += _count_elements(item, where, depth_left - 1)
+        if count > MAX_ELEMENTS:
+            raise Refused(400, f"{where}: has more than {MAX_ELEMENTS} elements")
+    return count
+
+
+def sanitize_infer(doc, binary_size: int) -> dict:
+    """A v2 inference request checked field by field (400 naming the first bad one); returns the
+    document to forward. `binary_size`: bytes after the JSON (binary tensor extension)."""
+    if not isinstance(doc, dict):
+        raise Refused(400, "body: must be a JSON object")
+    _only(doc, {"id", "model_name", "model_version", "parameters", "inputs", "outputs"}, "body")
+    for key in ("id", "model_name", "model_version"):
+        if key in doc:
+            _string(doc[key], key, MAX_NAME_BYTES)
+    if "parameters" in doc:
+        _parameters(doc["parameters"], "parameters")
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_TENSORS:
+        raise Refused(400, f"inputs: must be a list of 1 to {MAX_TENSORS} tensors")
+    binary_total = 0
+    for i, tensor in enumerate(inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(tensor, dict):
+            raise Refused(400, f"{where}: must be an object")
+        _only(tensor, {"name", "shape", "datatype", "parameters", "data"}, where)
+        _string(tensor.get("name"), f"{where}.name", MAX_NAME_BYTES)
+        if tensor.get("datatype") not in DATATYPES:
+            raise Refused(400, f"{where}.datatype: must be one of {', '.join(sorted(DATATYPES))}")
+        shape = tensor.get("shape")
+        if (not isinstance(shape, list) or len(shape) > MAX_RANK
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in shape)):
+            raise Refused(400, f"{where}.shape: must be a list of at most {MAX_RANK} sizes in [0, {MAX_ELEMENTS}]")
+        elements = math.prod(shape)
+        if elements > MAX_ELEMENTS:
+            raise Refused(400, f"{where}.shape: {shape} has more than {MAX_ELEMENTS} elements")
+        parameters = _parameters(tensor.get("parameters", {}), f"{where}.parameters")
+        size = parameters.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise Refused(400, f"{where}.parameters.binary_data_size: must be an integer >= 0")
+            if "data" in tensor:
+                raise Refused(400, f"{where}: has both data and binary_data_size")
+            binary_total += size
+        elif "data" not in tensor:
+            raise Refused(400, f"{where}.data: missing (or give parameters.binary_data_size)")
+        else:
+            count = _count_elements(tensor["data"], f"{where}.data", max(len(shape), 1))
+            if count != elements:
+                raise Refused(400, f"{where}.data: has {count} elements, shape {shape} needs {elements}")
+    if binary_total != binary_size:
+        raise Refused(400, f"binary data: the inputs' binary_data_size add up to {binary_total} bytes, "
+                           f"the body carries {binary_size}")
+    outputs = doc.get("outputs", [])
+    if not isinstance(outputs, list) or len(outputs) > MAX_TENSORS:
+        raise Refused(400, f"outputs: must be a list of at most {MAX_TENSORS} tensors")
+    for i, tensor in enumerate(outputs):
+        where = f"outputs[{i}]"
+        if not isinstance(tensor, dict):
+            raise Refused(400, f"{where}: must be an object")
+        _only(tensor, {"name", "parameters"}, where)
+        _string(tensor.get("name"), f"{where}.name", MAX_NAME_BYTES)
+        _parameters(tensor.get("parameters", {}), f"{where}.parameters")
+    return doc
+
+
+def sanitize_generate(doc) -> dict:
+    """Triton's generate extension: an object of input names to a scalar or a flat list, and
+    `parameters`."""
+    if not isinstance(doc, dict):
+        raise Refused(400, "body: must be a JSON object")
+    if len(doc) > MAX_TENSORS + 1:
+        raise Refused(400, f"body: has {len(doc)} fields, at most {MAX_TENSORS + 1} are allowed")
+    for key, value in doc.items():
+        _string(key, "body: a key", MAX_NAME_BYTES)
+        if key == "parameters":
+            _parameters(value, "parameters")
+        elif isinstance(value, list):
+            _count_elements(value, key, 1)
+        else:
+            _scalar(value, key)
+    return doc
+
+
+def check_depth(doc, limit: int, what: str = "body") -> None:
+    """Refuses documents nested deeper than `limit` (for the admin APIs' free-form bodies)."""
+    stack = [(doc, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise Refused(400, f"{what}: nested deeper than {limit} levels")
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def dump(doc) -> bytes:
+    return json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def rewrite_body(kind: str, body: bytes, header_length: str | None) -> tuple[bytes, int | None]:
+    """The body to forward and its new JSON length (binary tensor extension; None without it)."""
+    if header_length is None:
+        json_part, binary = body, b""
+    else:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise Refused(400, f"Inference-Header-Content-Length: must be an integer in [0, {len(body)}]")
+        json_part, binary = body[:int(header_length)], body[int(header_length):]
+    doc = parse_json(json_part)
+    if kind == "infer":
+        doc = sanitize_infer(doc, len(binary))
+    elif kind == "generate":
+        if binary:
+            raise Refused(400, "body: the generate endpoints take JSON only")
+        doc = sanitize_generate(doc)
+    else:
+        check_depth(doc, 32)
+    out = dump(doc)
+    return out + binary, (len(out) if header_length is not None else None)
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+class FrontEnd:
+    """The front end on `host:port`, forwarding to tritonserver's REST endpoint on the loopback
+    port `upstream_port`; `admin_key` opens the restricted APIs."""
+
+    def __init__(self, host: str, port: int, upstream_port: int, admin_key: str,
+                 max_body: int = deploy.MAX_REQUEST_BYTES, max_admin_body: int = deploy.MAX_ADMIN_REQUEST_BYTES):
+        self.host, self.port, self.upstream = host, port, f"http://127.0.0.1:{upstream_port}"
+        self.admin_key = admin_key.encode()
+        self.max_body, self.max_admin_body = max_body, max_admin_body
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._session: ClientSession | None = None
+        self._thread: threading.Thread | None = None
+        self.stopping = False  # set by the supervisor once tritonserver is told to stop
+
+    # What the handler does, in order: route, authorize, read within the bound, rewrite, forward.
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._handle(request)
+        except Refused as exc:
+            return _error(exc.status, str(exc))
+
+    def _route(self, request: web.Request) -> tuple[str, int]:
+        """(kind of request, the most body bytes it may carry); Refused when it may not be made."""
+        path = request.path
+        # The admin paths first: /v2/models/stats would otherwise read as a model's metadata.
+        if ADMIN.fullmatch(path) and request.method in ("GET", "POST"):
+            given = request.headers.get(deploy.ADMIN_HEADER, "").encode()
+            if not hmac.compare_digest(given, self.admin_key):
+                raise Refused(403, f"This API is restricted: it needs the admin header '{deploy.ADMIN_HEADER}' "
+                                   "(README, \"Security\")")
+            return "admin", self.max_admin_body
+        if request.method == "GET" and OPEN_GET.fullmatch(path):
+            return "get", 0
+        if request.method == "POST" and INFER.fullmatch(path):
+            return "infer", self.max_body
+        if request.method == "POST" and GENERATE.fullmatch(path):
+            return "generate", self.max_body
+        raise Refused(404, f"{request.method} {path}: not an endpoint of this server")
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue` (curl sends it for bodies over 1 MB): refuse before the body
+        is sent, instead of reading it first."""
+        try:
+            _, limit = self._route(request)
+            if request.content_length is not None and request.content_length > limit:
+                raise Refused(413, f"body: {request.content_length} bytes, at most {limit} are accepted")
+        except Refused as exc:
+            return _error(exc.status, str(exc))
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return _error(417, f"Expect: {request.headers.get('Expect')!r} is not supported")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own handler: the answer has not started
+        return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        kind, limit = self._route(request)
+        headers = {k: v for k, v in request.headers.items() if FORWARD_HEADER.match(k)}
+        accept = request.headers.get("Accept-Encoding")
+        if accept:
+            headers["Accept-Encoding"] = accept[:256]
+        body = None
+        if request.method == "POST":
+            raw = await self._read(request, limit)
+            if not raw.strip() and kind == "admin":  # e.g. the repository index: no body needed
+                return await self._forward(request, {**headers, deploy.ADMIN_HEADER: self.admin_key.decode()}, b"")
+            body, json_length = rewrite_body(kind, raw, request.headers.get("Inference-Header-Content-Length"))
+            headers["Content-Type"] = "application/json"
+            if json_length is not None:
+                headers["Inference-Header-Content-Length"] = str(json_length)
+        if kind == "admin":
+            headers[deploy.ADMIN_HEADER] = self.admin_key.decode()
+        return await self._forward(request, headers, body)
+
+    async def _read(self, request: web.Request, limit: int) -> bytes:
+        """The body, at most `limit` bytes (413 past it, before reading it all). aiohttp's parser
+        has already undone a gzip or deflate Content-Encoding, chunk by chunk, so the bound
+        holds for the decompressed bytes (a compression bomb stops at `limit`)."""
+        if request.content_length is not None and request.content_length > limit:
+            raise Refused(413, f"body: {request.content_length} bytes, at most {limit} are accepted")
+        chunks, size = [], 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise Refused(413, f"body: more than {limit} bytes (decompressed), at most {limit} are accepted")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _forward(self, request: web.Request, headers: dict, body: bytes | None) -> web.StreamResponse:
+        url = self.upstream + request.path  # the query string is not passed on: no endpoint here uses one
+        try:
+            upstream = await self._session.request(request.method, url, headers=headers, data=body)
+        except (ClientError, OSError) as exc:
+            state = "shutting down" if self.stopping else "not answering (starting or restarting)"
+            raise Refused(503, f"unavailable: tritonserver is {state}; retry ({type(exc).__name__})") from None
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name in RESPONSE_HEADERS:
+                if name in upstream.headers:
+                    response.headers[name] = upstream.headers[name]
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (ClientError, OSError):
+                # tritonserver went away mid-answer: the client sees its connection end early.
+                request.transport and request.transport.close()
+                return response
+            await response.write_eof()
+            return response
+
+    # -- life cycle: a thread with its own loop, inside the supervisor --------------------------
+    def start(self, timeout: float = 30.0) -> "FrontEnd":
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(self._start())
+            except BaseException as exc:  # e.g. the port is taken
+                failure.append(exc)
+                started.set()
+                return
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="cubeserve-front", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout):
+            raise RuntimeError(f"the REST front end did not start within {timeout:.0f} s")
+        if failure:
+            raise RuntimeError(f"the REST front end cannot listen on {self.host}:{self.port}: {failure[0]}")
+        log.info("REST front end on %s:%d, forwarding to %s", self.host, self.port, self.upstream)
+        return self
+
+    async def _start(self) -> None:
+        # No pool (module docstring); no read timeout: a generation takes as long as its deadline.
+        self._session = ClientSession(connector=TCPConnector(force_close=True, limit=0),
+                                      timeout=ClientTimeout(total=None, sock_connect=10),
+                                      auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        app = web.Application(client_max_size=self.max_admin_body)
+        app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=self.expect)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops listening and ends the loop (answers still being sent get `timeout` seconds)."""
+        if self._loop is None or not self._loop.is_running():
+            return
+
+        async def shutdown() -> None:
+            await self._runner.cleanup()
+            await self._session.close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout)
+        except Exception as exc:  # noqa: BLE001 - stopping anyway
+            log.warning("the REST front end did not stop cleanly: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
