@@ -377,8 +377,10 @@ class FrontEnd:
         try:
             upstream = await self._session.request(request.method, url, headers=headers, data=body)
         except (ClientError, OSError) as exc:
-            state = "shutting down" if self.stopping else "not answering (starting or restarting)"
-            raise Refused(503, f"unavailable: tritonserver is {state}; retry ({type(exc).__name__})") from None
+            # The models' own words for a drain (triton_common), so clients and tests read one message.
+            state = ("the server is shutting down (tritonserver takes no new connections)" if self.stopping
+                     else "tritonserver is not answering (starting or restarting)")
+            raise Refused(503, f"unavailable: {state}; retry ({type(exc).__name__})") from None
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name in RESPONSE_HEADERS:
