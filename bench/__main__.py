@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_speed, server_overhead
+from bench import engine_speed, front_overhead, server_overhead
 from bench.common import hardware, write_results
 
 BENCHMARKS_MD = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
@@ -30,7 +30,7 @@ def update_markdown(section: str, lines: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=["engine", "server"], help="run one section")
+    parser.add_argument("--only", choices=["engine", "server", "front"], help="run one section")
     parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -49,6 +49,7 @@ def main() -> None:
     sections = dict(engine_runs)
     if device.type == "cpu":  # the Triton comparison runs the tiny model on the CPU
         sections["server"] = server_overhead.run
+        sections["front"] = front_overhead.run
     failed = []
     for name, run in sections.items():
         if args.only and not name.startswith(args.only):

@@ -32,15 +32,21 @@ class Record:
 def hardware(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+            if cpu and flags:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores (CPU)"
+    # The widest vector ISA: CPU figures differ between AVX2-only and AMX machines.
+    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                if flag in flags), "no AVX2")
+    return f"{cpu}, {isa}, {os.cpu_count()} cores (CPU)"
 
 
 def sync(device: torch.device) -> None:

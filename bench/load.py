@@ -254,7 +254,7 @@ def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None
         requests = known_requests(repo, resolution)
         log_path = Path(log_path) if log_path else Path(tmp) / "tritonserver.log"
         server = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log_path).start()
-        stubs = stub_processes(server.process.pid)  # to reap them if tritonserver dies (stop() then does not)
+        stubs = stub_processes(server.tritonserver_pid())  # to reap them if tritonserver dies (stop() then does not)
         sampler = RssSampler(server.process.pid)
         try:
             # Warm-up: one request from every client at once, counted apart and checked like the

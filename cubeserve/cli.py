@@ -7,6 +7,7 @@ import json
 import logging
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,9 +94,16 @@ def cmd_serve(args) -> int:
     ensure_demo_weights(repo)
     # Supervised: a python backend stub that dies (e.g. killed for memory) restarts the server.
     server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True, supervised=True)
+    # The admin APIs' key (README, "Security"): $CUBE3D_ADMIN_KEY, else a new one for this start,
+    # written where only this user can read it.
+    key_file = Path(tempfile.gettempdir()) / f"cubeserve-admin-key-{args.http_port}"
+    key_file.unlink(missing_ok=True)
+    key_file.touch(mode=0o600)
+    key_file.write_text(server.admin_key + "\n")
     server.start(timeout=args.timeout)
     print(f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
-          f"gRPC {server.grpc_url}, metrics {server.metrics_url}; Ctrl-C stops it", flush=True)
+          f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
+          f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it", flush=True)
     # SIGTERM (kill, a process manager) stops the server too, as Ctrl-C does, instead of leaving
     # it running without its parent.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -105,6 +113,7 @@ def cmd_serve(args) -> int:
         pass
     finally:
         server.stop()
+        key_file.unlink(missing_ok=True)
     return 0
 
 

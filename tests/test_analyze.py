@@ -385,7 +385,7 @@ def served(tmp_path_factory):
         with PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{server.metrics_port}"]) as prometheus:
             client = a.PrometheusClient(prometheus.url)
             warm_up(server.http_url, ["control", "hollow", "healthy", "crashed"])
-            [crashed] = [pid for pid, (model, v) in python_stubs(server.process.pid).items()
+            [crashed] = [pid for pid, (model, v) in python_stubs(server.tritonserver_pid()).items()
                          if model == "cube3d_stream" and v == str(E2E_CRASHED)]
             os.kill(crashed, signal.SIGKILL)
             warmed = time.time()

@@ -69,7 +69,7 @@ def set_experiment(server, body: dict | None) -> None:
     try:
         config = admin.get_model_config("cube3d")
         config["parameters"]["experiment"] = {"string_value": json.dumps(body) if body else ""}
-        admin.load_model("cube3d", config=json.dumps(config))
+        admin.load_model("cube3d", config=json.dumps(config), headers=server.admin_headers)
     finally:
         admin.close()
 
@@ -262,7 +262,7 @@ def test_a_slow_shadow_never_holds_the_served_answer(server):
 
 
 def _engine_pid(server, version: int) -> int:
-    pids = [p for p, (model, v) in python_stubs(server.process.pid).items() if model == "cube3d_stream" and v == str(version)]
+    pids = [p for p, (model, v) in python_stubs(server.tritonserver_pid()).items() if model == "cube3d_stream" and v == str(version)]
     assert len(pids) == 1, pids
     return pids[0]
 

@@ -107,7 +107,7 @@ def test_first_checkpoint_is_packaged_registered_served_and_champion(cluster, fi
     assert_champion_serving(cluster, "1")
     # Its engine process is known as cube3d_stream version 1 although Triton runs it from the
     # temporary folder of the load request (the predict model's watchdog relies on this).
-    assert ("cube3d_stream", "1") in python_stubs(cluster.server.process.pid).values()
+    assert ("cube3d_stream", "1") in python_stubs(cluster.server.tritonserver_pid()).values()
 
 
 def test_same_checkpoint_again_does_nothing(cluster, first_run, good):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -47,26 +46,6 @@ def server(repo, tmp_path_factory):
                      extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
                                  "--load-model=cube3d")) as triton:
         yield triton
-
-
-def tritonserver_pid(server) -> int:
-    [pid] = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-             and _parent(int(p.name)) == server.process.pid and _exe_name(int(p.name)) == "tritonserver"]
-    return pid
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError):
-        return None
-
-
-def _exe_name(pid: int) -> str:
-    try:
-        return os.path.basename(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode())
-    except OSError:
-        return ""
 
 
 def call(url: str, path: str, body: bytes | None = None, headers: dict | None = None, method: str | None = None,
@@ -110,7 +89,7 @@ class InFlight:
 
 def assert_survived(server, pid_before: int) -> None:
     assert server.process.poll() is None
-    assert tritonserver_pid(server) == pid_before, "tritonserver was restarted: it crashed"
+    assert server.tritonserver_pid() == pid_before, "tritonserver was restarted: it crashed"
     assert server.ready()
     log = server.log_path.read_text(errors="replace")
     assert "crashed" not in log and "Segmentation fault" not in log and "Signal (11)" not in log
@@ -224,7 +203,7 @@ def test_the_shared_memory_attack_fails_and_loses_nothing(server):
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    pid = tritonserver_pid(server)
+    pid = server.tritonserver_pid()
     regions = python_backend_regions()
     assert regions, "the python backend's regions are in /dev/shm (what an attacker lists)"
     with InFlight(server.http_url):
@@ -265,7 +244,7 @@ def _prompt_body(size: int) -> bytes:
 def test_oversized_bodies_get_413_while_a_request_in_flight_completes(server, tmp_path, megabytes):
     """As curl sends them (`-d @file`: form Content-Type, Expect: 100-continue) and as urllib
     sends them (the whole body, no Expect), with and without a JSON Content-Type."""
-    pid = tritonserver_pid(server)
+    pid = server.tritonserver_pid()
     body = tmp_path / "body.json"
     body.write_bytes(_prompt_body(megabytes * MB))
     with InFlight(server.http_url):
@@ -291,7 +270,7 @@ def test_a_chunked_body_is_bounded_too(server):
 
 
 def test_a_deeply_nested_body_gets_400_while_a_request_in_flight_completes(server):
-    pid = tritonserver_pid(server)
+    pid = server.tritonserver_pid()
     nested = b"[" * 100_000 + b"]" * 100_000  # 200 KB
     body = b'{"inputs": [{"name": "PROMPT", "datatype": "BYTES", "shape": [1], "data": ' + nested + b"}]}"
     with InFlight(server.http_url):
@@ -403,7 +382,7 @@ def test_a_server_started_with_the_servingruntime_args_survives_both_attacks(rep
         while not local.ready():
             assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
             time.sleep(0.5)
-        pid = tritonserver_pid(local)
+        pid = local.tritonserver_pid()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         assert f"--http-restricted-api={','.join(deploy.RESTRICTED_APIS)}:{deploy.ADMIN_HEADER}={key}" in cmdline
         assert "--http-address=127.0.0.1" in cmdline

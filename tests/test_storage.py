@@ -314,10 +314,10 @@ def test_version_repository_refuses_an_existing_target_and_empty_files(tmp_path)
 class ServingRuntimeTriton(LocalTriton):
     """tritonserver with exactly the ServingRuntime's arguments (cubeserve.deploy.tritonserver_args),
     under the supervisor with `--on-fault exit`, as the container runs it. What differs, and why:
-    - the three ports are free ports instead of 8000-8002, which other servers on this machine
+    - the ports are free ports instead of 8000-8002 and 8010, which other servers on this machine
       may hold (the flags are the same ones, with other numbers);
-    - --http-address, --grpc-address and --metrics-address are 127.0.0.1: the pod listens on
-      all of its interfaces, a test binds nothing beyond this machine;
+    - --grpc-address and --metrics-address are 127.0.0.1, and so is the front end's address:
+      the pod listens on all of its interfaces, a test binds nothing beyond this machine;
     - --backend-directory names the backends of the nvidia-pytriton wheel, which the runtime
       image has at Triton's default path."""
 
@@ -326,7 +326,7 @@ class ServingRuntimeTriton(LocalTriton):
                          supervised=True, on_fault="exit")
 
     def runtime_args(self) -> list[str]:
-        ports = {f"--http-port={deploy.HTTP_PORT}": f"--http-port={self.http_port}",
+        ports = {f"--http-port={deploy.TRITON_HTTP_PORT}": f"--http-port={self.triton_http_port}",
                  f"--grpc-port={deploy.GRPC_PORT}": f"--grpc-port={self.grpc_port}",
                  f"--metrics-port={deploy.METRICS_PORT}": f"--metrics-port={self.metrics_port}"}
         args = deploy.tritonserver_args(str(self.model_repository))
@@ -336,7 +336,7 @@ class ServingRuntimeTriton(LocalTriton):
     def server_command(self) -> list[str]:
         home = tritonserver_home()
         return [str(home / "bin" / "tritonserver"), *self.runtime_args(),
-                "--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
+                "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
                 f"--backend-directory={home / 'backends'}"]
 
 
@@ -359,7 +359,8 @@ def test_a_version_in_object_storage_is_served_as_kserve_serves_it(store, s3env,
             result = client.generate("a small ball", seed=0, resolution=4)
         assert result.num_faces > 0 and len(result.mesh) > 0
         assert result.model_version == "7"
-        request = urllib.request.Request(f"http://{triton.http_url}/v2/repository/index", data=b"{}", method="POST")
+        request = urllib.request.Request(f"http://{triton.http_url}/v2/repository/index", data=b"{}", method="POST",
+                                         headers=triton.admin_headers)
         with urllib.request.urlopen(request, timeout=10) as reply:
             index = json.loads(reply.read())
         assert sorted((m["name"], m.get("version"), m.get("state")) for m in index) == [

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from cubeserve import deploy
-from cubeserve.serving.stubs import process_tree
+from cubeserve.serving.stubs import children, process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "triton_models"
@@ -116,6 +116,11 @@ class LocalTriton:
     @property
     def grpc_admin_headers(self) -> dict[str, str]:
         return {deploy.GRPC_ADMIN_METADATA: self.admin_key}
+
+    def tritonserver_pid(self) -> int:
+        """The tritonserver process: the supervisor's one child (its stubs are tritonserver's)."""
+        [pid] = children(self.process.pid)
+        return pid
 
     def command(self) -> list[str]:
         grace = [] if self.drained_grace is None else ["--drained-grace", str(self.drained_grace)]
