@@ -6,7 +6,8 @@
   a value of the wrong type or a missing required field is an error. Then the rules KServe's
   admission webhooks add (names, canary weights...).
 * Core kinds: the Kubernetes JSON schemas of `kubernetes-validate`, strict (no unknown fields).
-* `crd_errors`: the published KServe CRDs (OpenAPI v3), made strict (`require_crds`), those of
+* `crd_errors`: the published KServe CRDs (OpenAPI v3; tests/data/kserve, extracted from the
+  release tags by extract.py there), made strict (`require_crds`), those of
   every KServe release the manifests support (`MIN_KSERVE`, `KSERVE_RELEASES`).
 * Gateway API HTTPRoute (k8s/overlays/ab): the HTTPRoute CRD's OpenAPI v3 schema of each Gateway
   API release in GATEWAY_API_RELEASES (standard channel, tests/data/gateway-api/, extracted from
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import copy
 import difflib
+import gzip
 import importlib
 import importlib.util
-import os
+import json
 import re
 import shutil
 import subprocess
@@ -60,11 +62,12 @@ kserve_models = _load_kserve_models()
 
 REPO = Path(__file__).resolve().parents[1]
 OVERLAYS = ("canary", "raw", "ab", "cpu", "experiment")
-# Reference data beside the repository (not part of it): KServe's CRDs as published (the newest,
-# at the top) and as tagged in each release (by-release/vX.Y.Z/). Tests reach them through
-# `require_crds`, which skips without them, or fails under CI.
-KSERVE_CRDS = REPO.parent / "shared" / "kserve-crds"
-KSERVE_CRDS_BY_RELEASE = KSERVE_CRDS / "by-release"
+# KServe's CRDs, in the repository: tests/data/kserve/REF.json.gz, made by extract.py there from
+# kserve/kserve's release tags (config/crd/full/, descriptions removed), and newest.json.gz, the
+# newest published schema (a commit after v0.20.0). A clone with nothing beside it checks them all.
+KSERVE_DATA = REPO / "tests" / "data" / "kserve"
+KSERVE_CRD_FILES = ("serving.kserve.io_inferenceservices.yaml", "serving.kserve.io_inferencegraphs.yaml",
+                    "serving.kserve.io_servingruntimes.yaml")
 
 # The KServe releases the manifests support (README, "Compatibility"), and the oldest one each
 # overlay needs: everything the overlays use is in v0.14.0. (The A/B overlay's InferenceGraph
@@ -80,10 +83,17 @@ def kserve_version(release: str) -> tuple[int, ...]:
     return tuple(int(part) for part in release.lstrip("v").split("."))
 
 
-# The releases whose CRDs are at hand (by-release/), oldest first; empty without the data.
-KSERVE_RELEASES = tuple(sorted(
-    (p.name for p in KSERVE_CRDS_BY_RELEASE.glob("v*") if p.is_dir() and re.fullmatch(r"v\d+\.\d+\.\d+", p.name)),
-    key=kserve_version))
+# The releases whose CRDs are in tests/data/kserve, oldest first.
+KSERVE_RELEASES = tuple(sorted((p.name.removesuffix(".json.gz") for p in KSERVE_DATA.glob("v*.json.gz")),
+                               key=kserve_version))
+
+
+@lru_cache(maxsize=None)
+def kserve_crd(release: str | None, file: str) -> dict:
+    """One CRD as KServe tagged it in `release` ("v0.16.0"; None: the newest published), without
+    its descriptions. Callers must not change it (it is cached): copy first."""
+    path = KSERVE_DATA / f"{release or 'newest'}.json.gz"
+    return json.loads(gzip.decompress(path.read_bytes()))["crds"][file]
 
 
 def supported_releases(minimum: str = SUPPORTED_KSERVE[0]) -> list[str]:
@@ -294,52 +304,34 @@ def _isvc_rules(spec: dict) -> list[str]:
 
 # -- the published CRDs, where available ----------------------------------------------------------
 
-def _missing(where: Path) -> None:
-    """Skip the calling test, with one reason, or fail it under CI (CI=true): there the data must
-    be present, and a check that quietly stopped checking must not pass."""
-    if not KSERVE_CRDS.is_dir():  # the usual case: one reason for every CRD check
-        where = KSERVE_CRDS
-    reason = (f"KServe CRDs not found at ../{where.relative_to(REPO.parent)} (reference data beside the "
-              f"repository, not part of it): the CRD checks did not run")
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(reason + " (CI=true: they must)", pytrace=False)
-    pytest.skip(reason)
-
-
 def require_releases() -> tuple[str, ...]:
-    """KSERVE_RELEASES, or skip (fail under CI) when by-release/ is not at hand."""
-    if not KSERVE_RELEASES:
-        _missing(KSERVE_CRDS_BY_RELEASE)
+    """KSERVE_RELEASES: each supported release and the one before each overlay's minimum are in the
+    repository (tests/data/kserve), so no CRD check can quietly stop checking."""
+    missing = {SUPPORTED_KSERVE[1], *MIN_KSERVE.values()} - set(KSERVE_RELEASES)
+    assert not missing, f"tests/data/kserve lacks the CRDs of {sorted(missing)}: run extract.py there"
     return KSERVE_RELEASES
 
 
 def require_crds(release: str | None = None) -> dict[tuple[str, str], dict]:
-    """The strict schemas of KServe's CRDs, for `crd_errors`: those of `release` ("v0.16.0",
-    from by-release/), or with None the newest published ones (the top of KSERVE_CRDS). When the
-    data is not beside the repository the test is skipped with one reason, and fails under CI."""
-    directory = KSERVE_CRDS if release is None else KSERVE_CRDS_BY_RELEASE / release
-    if not any(directory.glob("*.yaml")):
-        _missing(directory)
-    return _crd_schemas(str(directory))
+    """The strict schemas of KServe's CRDs, for `crd_errors`: those of `release` ("v0.16.0"), or
+    with None the newest published ones."""
+    return _crd_schemas(release)
 
 
 @lru_cache(maxsize=None)
-def _crd_schemas(directory: str) -> dict[tuple[str, str], dict]:
-    return load_crd_schemas(Path(directory))
+def _crd_schemas(release: str | None) -> dict[tuple[str, str], dict]:
+    return load_crd_schemas([kserve_crd(release, f) for f in KSERVE_CRD_FILES])
 
 
-def load_crd_schemas(directory: Path) -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> strict OpenAPI schema, from a directory of CRD YAML files."""
+def load_crd_schemas(crds: list[dict]) -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> strict OpenAPI schema, from CustomResourceDefinitions."""
     schemas = {}
-    for path in sorted(directory.glob("*.yaml")):
-        for crd in yaml.load_all(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-            if not crd or crd.get("kind") != "CustomResourceDefinition":
-                continue
-            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-            for version in crd["spec"]["versions"]:
-                schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
-                _close(schema)
-                schemas[(f"{group}/{version['name']}", kind)] = schema
+    for crd in crds:
+        group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+        for version in crd["spec"]["versions"]:
+            schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+            _close(schema)
+            schemas[(f"{group}/{version['name']}", kind)] = schema
     return schemas
 
 
