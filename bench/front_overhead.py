@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.common import Record
 
-ROUNDS = {"ready": 400, "refused infer": 200, "generation": 24}
+ROUNDS = {"ready": 400, "refused infer": 200, "generation": 48}
 
 
 def _body(resolution: int) -> bytes:
