@@ -2,8 +2,8 @@
 targets every second, bound to 127.0.0.1, stopped by its PID.
 
 `require_prometheus()` installs the package with apt-get when it is missing and the tests run as
-root (CI does); otherwise it skips with the reason, or fails under CI=true, where a skipped
-measurement test would hide a regression.
+root (CI does); otherwise it skips with the reason, or fails under CI (guards.cannot_run), where a
+skipped measurement test would hide a regression.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
+from guards import cannot_run
 from kfp_pipelines.local_services import Prometheus
 
 _INSTALL = "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus"
@@ -26,10 +25,7 @@ def require_prometheus() -> tuple[str, str]:
         subprocess.run(["bash", "-c", _INSTALL], check=False, capture_output=True, timeout=900)
     prometheus, promtool = shutil.which("prometheus"), shutil.which("promtool")
     if not (prometheus and promtool):
-        reason = f"Prometheus is not installed (as root: {_INSTALL})"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        cannot_run(f"Prometheus is not installed (as root: {_INSTALL})")
     return prometheus, promtool
 
 

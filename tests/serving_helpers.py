@@ -1,9 +1,20 @@
-"""What the tests of the real tritonserver share: reading its cube3d_* metrics."""
+"""What the tests of the real servers share: reading tritonserver's cube3d_* metrics, and waiting
+with a deadline."""
 
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
+
+
+def wait_until(condition, timeout: float, what: str, poll: float = 0.05) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout` seconds, so that no test
+    waits forever on something that never happens."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(poll)
 
 
 def metrics(server) -> dict[str, float]:

@@ -18,6 +18,7 @@ import pytest
 
 from cubeserve.rollout import analyze as a
 from cubeserve.rollout.cli import main as rollout_main
+from serving_helpers import wait_until
 from cubeserve.serving import metrics as m
 from cubeserve.serving.local_triton import free_port
 from prometheus_server import PrometheusServer
@@ -218,8 +219,8 @@ def prometheus(tmp_path_factory):
         client = a.PrometheusClient(server.url)
         steps = exporter.traffic(TRAFFIC_S)
         ended = time.time()
-        while (client.latest_scrape() or 0) < ended + 1:  # a scrape after the last request
-            time.sleep(0.2)
+        wait_until(lambda: (client.latest_scrape() or 0) >= ended + 1, 120, "a scrape after the last request",
+                   poll=0.2)
         yield server, client, steps
     finally:
         server.stop()
@@ -389,14 +390,13 @@ def served(tmp_path_factory):
                          if model == "cube3d_stream" and v == str(E2E_CRASHED)]
             os.kill(crashed, signal.SIGKILL)
             warmed = time.time()
-            while (client.latest_scrape() or 0) < warmed + 1:  # the window starts after the warm-up
-                time.sleep(0.2)
+            wait_until(lambda: (client.latest_scrape() or 0) >= warmed + 1, 120,  # the window starts after it
+                       "a scrape after the warm-up", poll=0.2)
             started = time.time()
             counts = send_traffic(server.http_url, ["a small ball", "a tall thin cylinder", "a round coffee table"],
                                   E2E_TRAFFIC_S, clients=2, requests=E2E_REQUESTS)
             ended = time.time()
-            while (client.latest_scrape() or 0) < ended + 1:
-                time.sleep(0.2)
+            wait_until(lambda: (client.latest_scrape() or 0) >= ended + 1, 120, "a scrape after the traffic", poll=0.2)
             yield client, counts, client.latest_scrape() - started
 
 

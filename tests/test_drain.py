@@ -21,6 +21,7 @@ import http.client
 import io
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -197,6 +198,8 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
                                    .replace(str(deploy.METRICS_PORT), str(server.metrics_port))
                                   for a in deploy.PRESTOP_COMMAND[3:])]
             drain = subprocess.Popen(hook, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            ready, _, _ = select.select([drain.stdout], [], [], 60)  # bounded: the hook's first line
+            assert ready, "the preStop hook printed nothing within 60 s"
             assert "refuses new requests" in drain.stdout.readline()  # the marker is written
         else:
             server.process.send_signal(signal.SIGTERM)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from cubeserve import deploy
+from guards import cannot_run
 from cubeserve.rollout import VersionRegistry
 from k8s_validation import (GATEWAY_API_RELEASES, GATEWAY_API_TOO_OLD, KUBERNETES_VERSION, MIN_KSERVE, OVERLAYS, REPO,
                             SUPPORTED_KSERVE, crd_errors, dockerfile_instructions, find, gateway_api_errors,
@@ -535,7 +536,7 @@ def test_local_server_and_client_defaults_are_the_deploy_modules():
     try:
         command = LocalTriton().command()
     except RuntimeError:  # the Triton wheel is not installed
-        pytest.skip("nvidia-pytriton not installed")
+        cannot_run("nvidia-pytriton not installed")
     assert set(deploy.COMMON_FLAGS) <= set(command)
 
 

@@ -31,6 +31,7 @@ from cubeserve.checkpoint import GPT_FILE, write_random_weights
 from cubeserve.pipeline import serving, steps
 from cubeserve.registry import CHALLENGER, CHAMPION, open_registry
 from cubeserve.serving.stubs import python_stubs
+from serving_helpers import wait_until
 from kfp_pipelines import checkpoint_rollout as pipeline_module
 from kfp_pipelines.compile import compile_to
 from kfp_pipelines.pod_runner import FAILED, SUCCEEDED, load_pipeline
@@ -297,11 +298,11 @@ def test_kserve_target_rolls_back_a_ready_canary_that_fails_the_analysis(cluster
             "kserve", cluster.mlflow.uri, "cube3d", candidate.version, 10, 0, 2.0, ["a cup"], namespace="models",
             isvc="cube3d", gate=gate)))
         step.start()
-        while not stub.patches(ISVC_PATH):  # the canary is patched in: its pods start
-            time.sleep(0.05)
+        wait_until(lambda: stub.patches(ISVC_PATH), 300, "the canary patch")  # patched in: its pods start
         stub.world.kserve.start_pods()
-        i = 0
+        i, deadline = 0, time.monotonic() + 900
         while step.is_alive():  # the users' traffic: the canary fails one request in three
+            assert time.monotonic() < deadline, "the roll-out step did not end within 900 s"
             exporter.request(str(champion.triton_version), m.OK, 0.8, 0.01)
             exporter.request(str(candidate.triton_version), m.FAILED if i % 3 == 0 else m.OK, 0.8, 0.01)
             i += 1

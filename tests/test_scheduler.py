@@ -10,6 +10,7 @@ import pytest
 from cubeserve.engine import GenerationRequest as Req
 from cubeserve.engine import InvalidRequest
 from cubeserve.engine.scheduler import Scheduler
+from guards import cannot_run
 
 
 def test_concurrent_requests_are_batched_and_each_gets_its_own_result(make_engine):
@@ -121,7 +122,7 @@ def test_one_openmp_team_geometry_thread_single_threaded_others_untouched():
     from cubeserve.engine import threads
 
     if threads._openmp() is None:
-        pytest.skip("no OpenMP runtime in this PyTorch build")
+        cannot_run("no OpenMP runtime in this PyTorch build")
     before = torch.get_num_threads()
     seen = []
 
