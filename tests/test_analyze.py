@@ -382,7 +382,7 @@ def served(tmp_path_factory):
                                      Arm("healthy", E2E_HEALTHY, 30), Arm("crashed", E2E_CRASHED, 20))).to_json()
     with LocalTriton(tmp / "repository", free_port(), free_port(), free_port(), log_path=tmp / "tritonserver.log",
                      extra_args=("--model-control-mode=explicit",)) as server:
-        serve_versions(server.http_url, str(store), versions, experiment)
+        serve_versions(server.http_url, str(store), versions, experiment, admin_key=server.admin_key)
         with PrometheusServer(tmp / "prometheus", [f"127.0.0.1:{server.metrics_port}"]) as prometheus:
             client = a.PrometheusClient(prometheus.url)
             warm_up(server.http_url, ["control", "hollow", "healthy", "crashed"])

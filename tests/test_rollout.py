@@ -699,8 +699,13 @@ def test_cli_ab_sets_the_in_server_experiment(monkeypatch):
     assert set(body["data"]) == {"experiment.json"}
     exp = written(cluster)
     assert exp.arms == (Arm("control", 1, 90), Arm("candidate", 2, 10)) and exp.shadow is None
-    # The same user gets the same arm from the written experiment (what every pod computes).
-    assert {exp.arm_for("user-17").name for _ in range(5)} == {exp.arm_for("user-17").name}
+    # Every pod parses the written text on its own: each user gets the same arm in all of them,
+    # and the arms' shares follow the weights.
+    pods = [written(cluster) for _ in range(2)]
+    users = [f"user-{i}" for i in range(2000)]
+    arms = [[pod.arm_for(u).name for u in users] for pod in pods]
+    assert arms[0] == arms[1]
+    assert 0.08 < arms[0].count("candidate") / len(users) < 0.12
 
     # More traffic to the candidate, same experiment: the name (and so the salt) is kept, and
     # users already in the candidate stay there.

@@ -57,12 +57,12 @@ def _model_config_json(config_pbtxt: str, versions: list[int], experiment: str =
     return json_format.MessageToJson(config, preserving_proto_field_name=True)
 
 
-def admin_headers() -> dict[str, str]:
-    """The admin header for tritonserver's model-repository API (README, "Security"), with the key
-    the step got from the Secret (cubeserve.deploy.ADMIN_SECRET)."""
+def admin_headers(key: str | None = None) -> dict[str, str]:
+    """The admin header for tritonserver's model-repository API (README, "Security"): `key`, else
+    the one the step got from the Secret (cubeserve.deploy.ADMIN_SECRET) in its environment."""
     from cubeserve import deploy
 
-    key = os.environ.get(deploy.ADMIN_KEY_ENV)
+    key = key or os.environ.get(deploy.ADMIN_KEY_ENV)
     if not key:
         raise RuntimeError(f"target 'local' loads versions through tritonserver's model-repository API, an admin "
                            f"API: give the server's admin key as ${deploy.ADMIN_KEY_ENV} (the Secret "
@@ -71,17 +71,17 @@ def admin_headers() -> dict[str, str]:
 
 
 def serve_versions(triton_url: str, model_store: str, versions: list[int], experiment: str = "",
-                   models: tuple[str, ...] = (STREAM_MODEL, PREDICT_MODEL)) -> None:
+                   models: tuple[str, ...] = (STREAM_MODEL, PREDICT_MODEL), admin_key: str | None = None) -> None:
     """Make the local server serve exactly `versions` of the model store (none: unload both),
     the predict model with `experiment` (its JSON, serving/experiment.py; "" none). `models`:
     only these are (re)loaded, e.g. the predict model alone to change the experiment while the
-    engines keep running."""
+    engines keep running. `admin_key`: the server's (admin_headers)."""
     import tritonclient.http as httpclient
 
     from cubeserve import storage
     from cubeserve.pipeline.steps import version_uri
 
-    headers = admin_headers()
+    headers = admin_headers(admin_key)
     client = httpclient.InferenceServerClient(triton_url, network_timeout=600.0)
     try:
         if not versions:
