@@ -247,10 +247,14 @@ def test_empty_mesh_alert(tmp_path):
 
 
 def test_no_traffic_alert(tmp_path):
-    starved = [  # version 1 answered 100 requests, then none; version 2 serves; version 3 gets shadow copies only
+    starved = [  # version 1 answered 100 requests, then none; version 2 serves; version 3 gets shadow
+        # copies only (the shadow series has no arm: triton_metrics.Measurements.shadow); version 4
+        # was loaded and never got a request: its series is the zero the predict model exports at
+        # load (Measurements.loaded, checked on the real server below)
         series(m.REQUESTS, {**CONTROL, "outcome": "ok"}, "100+0x90"),
         counter(m.REQUESTS, {**CANDIDATE, "outcome": "ok"}, 10),
-        counter(m.SHADOW_REQUESTS, {"model": "cube3d", "version": "3", "arm": "shadow", "baseline": "2", "outcome": "ok"}, 2),
+        counter(m.SHADOW_REQUESTS, {"model": "cube3d", "version": "3", "baseline": "2", "outcome": "ok"}, 2),
+        series(m.REQUESTS, {"model": "cube3d", "version": "4", "arm": "", "outcome": "ok"}, "0+0x90"),
     ]
     idle = [  # the whole namespace is quiet (a night): nothing is starved
         series(m.REQUESTS, {**CONTROL, "outcome": "ok"}, "100+0x90"),
@@ -259,11 +263,28 @@ def test_no_traffic_alert(tmp_path):
     run_promtool_tests(tmp_path, [
         {"interval": "1m", "input_series": starved, "alert_rule_test": [
             {"eval_time": "30m", "alertname": "Cube3DNoTraffic", "exp_alerts": []},
-            {"eval_time": "60m", "alertname": "Cube3DNoTraffic", "exp_alerts": [expected("Cube3DNoTraffic", {"version": "1"})]},
+            {"eval_time": "60m", "alertname": "Cube3DNoTraffic",
+             "exp_alerts": [expected("Cube3DNoTraffic", {"version": "1"}), expected("Cube3DNoTraffic", {"version": "4"})]},
         ]},
         {"interval": "1m", "input_series": idle, "alert_rule_test": [
             {"eval_time": "60m", "alertname": "Cube3DNoTraffic", "exp_alerts": []}]},
     ])
+
+
+def test_a_loaded_version_exports_its_request_series_before_any_request(tmp_path):
+    """What test_no_traffic_alert's version 4 stands for, on the real server: right after load,
+    before any request, each version's answered-request series is there at 0."""
+    import urllib.request
+
+    from cubeserve.checkpoint import write_random_weights
+    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+
+    repo = copy_model_repository(tmp_path / "models")
+    write_random_weights("tiny", repo / "cube3d_stream" / "1" / "weights", seed=0)
+    with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "log") as server:
+        text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    line = f'{m.REQUESTS}{{arm="",model="cube3d",outcome="ok",version="1"}} 0'
+    assert line in text, [t for t in text.splitlines() if t.startswith(m.REQUESTS)]
 
 
 def test_a_wrong_expectation_fails_promtool(tmp_path):

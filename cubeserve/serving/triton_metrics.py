@@ -65,6 +65,12 @@ class Measurements:
 
     # -- what the models record -------------------------------------------------------------------
 
+    def loaded(self, version) -> None:
+        """The version's answered-request series, at zero from its load on: a version that never
+        gets a request then shows a rate of 0, not a missing series, for k8s/monitoring's
+        Cube3DNoTraffic (series are otherwise created on first use)."""
+        self.count(names.REQUESTS, {"version": str(version), "arm": "", "outcome": names.OK}, 0.0)
+
     def request(self, version, arm: str, outcome: str, seconds: float) -> None:
         labels = {"version": str(version), "arm": arm}
         self.count(names.REQUESTS, {**labels, "outcome": outcome})

@@ -179,6 +179,7 @@ class PredictModel:
         self.server_pid = os.getppid()  # the stub is a child of tritonserver
         self.drain = Drain(args)
         self.measurements = Measurements(args["model_name"])
+        self.measurements.loaded(self.version)
         self.experiments = ExperimentSource(params.get(experiment.EXPERIMENT_PARAMETER, ""),
                                             os.environ.get(experiment.EXPERIMENT_FILE_ENV, ""), self.engine_model)
         self.watchdog = threading.Thread(target=self._watch, name="cube3d-watchdog", daemon=True)
