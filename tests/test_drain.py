@@ -75,6 +75,7 @@ def repo(tmp_path_factory):
 NEW_REQUEST_DEADLINE_US = 3_000_000
 ANSWER_WAIT_S = 15  # how long the test waits for any answer to a new request
 SHUTTING_DOWN = "the server is shutting down"
+IDLE_KILL = "still waits for clients' idle connections"  # the supervisor's line when it kills (supervisor.py)
 
 
 def infer_body(prompt: str) -> bytes:
@@ -250,10 +251,11 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
             server.process.send_signal(signal.SIGTERM)  # the kubelet's, once the hook has returned
             killed_at = time.monotonic()
             assert server.process.wait(DRAINED_GRACE + 30) == 0
-            # Drained and idle: out within seconds (the kept-alive connection ends at the front
-            # end, Triton's HTTP endpoint has none open; else the supervisor's grace), long
-            # before the exit timeout.
+            # Drained and idle: out within seconds, long before the exit timeout; by itself (the
+            # kept-alive connection ends at the front end, so Triton's HTTP endpoint has none
+            # open), not by the supervisor's kill (the next test).
             assert time.monotonic() - killed_at < DRAINED_GRACE + 30
+            assert IDLE_KILL.encode() not in server.log_path.read_bytes()
         else:
             kept_alive.close()
             server.process.wait(deploy.EXIT_TIMEOUT_S)
@@ -266,3 +268,28 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
         server.stop(timeout=30)
     must, may = PROBLEMS[how]
     assert must <= problems <= must | may, (how, problems)
+
+
+def test_a_drained_server_held_by_an_idle_connection_is_stopped_after_the_grace(repo, tmp_path):
+    """The supervisor's --drained-grace: tritonserver's HTTP endpoint waits for every open
+    connection before it exits (up to the exit timeout, 600 s). A client of its own loopback port
+    that keeps an idle connection open through the SIGTERM (the front end never does) would hold a
+    drained pod that long: the supervisor kills the drained, idle server after the grace."""
+    server = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "tritonserver.log",
+                         supervised=True, on_fault="exit", drained_grace=DRAINED_GRACE)
+    server.start()
+    try:
+        idle = http.client.HTTPConnection("127.0.0.1", server.triton_http_port, timeout=10)
+        idle.request("GET", deploy.READY_PATH)
+        assert idle.getresponse().read() == b""  # answered; the connection stays open, idle
+        hook = [sys.executable, *deploy.drain_command(server.triton_http_port, server.metrics_port, settle=0.5)[1:]]
+        assert subprocess.run(hook, capture_output=True, text=True, timeout=120).returncode == 0
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert server.process.wait(DRAINED_GRACE + 30) == 0
+        assert time.monotonic() - signalled < DRAINED_GRACE + 30 < deploy.EXIT_TIMEOUT_S
+        assert IDLE_KILL.encode() in server.log_path.read_bytes(), "it exited, but not by the supervisor's kill"
+        idle.close()
+    finally:
+        server.stop(timeout=30)
+
