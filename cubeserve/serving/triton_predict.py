@@ -289,6 +289,10 @@ class PredictModel:
         for response in bls.exec(decoupled=True):
             if response.has_error():
                 message = response.error().message()
+                if not self._engine_loaded(forward.version):  # unloaded, or unloading: not now
+                    return metric_names.UNAVAILABLE, error_response(str(Unavailable(
+                        f"{self.engine_model} version {forward.version} is not loaded (unloaded, or being "
+                        f"loaded again): retry")), "unavailable"), None
                 if not self._engine_alive(forward.version):
                     return metric_names.UNAVAILABLE, self._engine_gone_error(forward.version), None
                 kind = protocol.error_kind(message)
@@ -356,6 +360,12 @@ class PredictModel:
         self.measurements.agreement(copy.version, copy.baseline, measure, value)
 
     # -- the watchdog ---------------------------------------------------------------------------
+
+    def _engine_loaded(self, version: int) -> bool:
+        try:
+            return pb_utils.is_model_ready(model_name=self.engine_model, model_version=str(version))
+        except Exception:  # noqa: BLE001 - an unknown version is one not loaded
+            return False
 
     def _engine_alive(self, version: int) -> bool:
         return stub_alive(self.server_pid, self.engine_model, version)
