@@ -106,7 +106,11 @@ def cmd_serve(args) -> int:
           f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it", flush=True)
     # SIGTERM (kill, a process manager) stops the server too, as Ctrl-C does, instead of leaving
     # it running without its parent.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the cleanup below
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         server.process.wait()
     except KeyboardInterrupt:
