@@ -17,15 +17,10 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from crd_data import strip  # noqa: E402
+
 CRD = "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml"
-
-
-def strip(node):
-    if isinstance(node, dict):
-        return {k: strip(v) for k, v in node.items() if k != "description"}
-    if isinstance(node, list):
-        return [strip(v) for v in node]
-    return node
 
 
 def main(checkout: str, *tags: str) -> None:

@@ -21,17 +21,12 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from crd_data import strip  # noqa: E402
+
 FILES = ("serving.kserve.io_inferenceservices.yaml", "serving.kserve.io_inferencegraphs.yaml",
          "serving.kserve.io_servingruntimes.yaml")
 NEWEST = "aaac4e294"
-
-
-def strip(node):
-    if isinstance(node, dict):
-        return {k: strip(v) for k, v in node.items() if k != "description"}
-    if isinstance(node, list):
-        return [strip(v) for v in node]
-    return node
 
 
 def main(checkout: str, *refs: str) -> None:
