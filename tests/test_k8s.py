@@ -621,18 +621,52 @@ def test_the_mlflow_registry_manifest_is_valid():
         assert validate(obj) == [], (obj["kind"], validate(obj))
 
 
+def _allows(rules: list[dict], group: str, resource: str, verb: str, name: str = "") -> bool:
+    """Kubernetes RBAC's rule match (k8s.io/apiserver authorizer/rbac: RuleAllows): group,
+    resource and verb each listed or "*", resourceNames empty or naming the object."""
+    def has(values, value):
+        return "*" in values or value in values
+
+    return any(has(r.get("apiGroups", []), group) and has(r.get("resources", []), resource)
+               and has(r.get("verbs", []), verb) and (not r.get("resourceNames") or name in r["resourceNames"])
+               for r in rules)
+
+
+# What every pod of a KFP v2 run does with its service account's token, from kubeflow/pipelines'
+# source at tags 2.14.0 and 2.17.0 (same calls in both):
+KFP_RUN_CALLS = [
+    # backend/src/v2/config/env.go FromConfigMap: ConfigMaps(namespace).Get("kfp-launcher")
+    # (driver and launcher; NotFound is fine, Forbidden fails the step).
+    ("", "configmaps", "get", "kfp-launcher"),
+    # backend/src/v2/objectstore/object_store.go (getS3BucketCredential..., Secrets(namespace).Get):
+    # the artifact store's credentials, "mlpipeline-minio-artifact" by default (config/env.go).
+    ("", "secrets", "get", "mlpipeline-minio-artifact"),
+    # backend/src/v2/driver/k8s.go (the driver reads its own pod: Pods(namespace).Get(podName))
+    # and component/launcher_v2.go retryIndexFromPodAnnotation (the launcher reads its own).
+    ("", "pods", "get", "any-pod-of-the-run"),
+    # Argo's executor reports a step's outputs as a WorkflowTaskResult: KFP's own
+    # manifests/kustomize/base/pipeline/pipeline-runner-role.yaml grants exactly create, patch.
+    ("argoproj.io", "workflowtaskresults", "create", "any"),
+    ("argoproj.io", "workflowtaskresults", "patch", "any"),
+]
+
+
 def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
-    """k8s/pipeline/: the ServiceAccount, Role and RoleBinding the pipeline's steps run as.
-    They read and patch the InferenceService and the ConfigMap of the versions, and read what
+    """k8s/pipeline/: the ServiceAccount, Roles and RoleBindings the pipeline's pods run as.
+    The steps read and patch the InferenceService and the ConfigMap of the versions, and read what
     the rollout's state and preflight read (package, roll_out, the exit handler:
-    cubeserve.pipeline.serving, cubeserve.rollout.Cluster), no more."""
+    cubeserve.pipeline.serving, cubeserve.rollout.Cluster), no more; the run's own machinery
+    (KFP's driver and launcher, Argo's executor) gets what the backend's source calls."""
     from cubeserve import rollout
     from k8s_validation import _rendered
 
     objects = [o for o in yaml.safe_load_all(_rendered(str(REPO / "k8s" / "pipeline"))) if o]
     for obj in objects:
         assert validate(obj) == [], (obj["kind"], validate(obj))
-    account, role, binding = (find(objects, kind) for kind in ("ServiceAccount", "Role", "RoleBinding"))
+    (account,) = [o for o in objects if o["kind"] == "ServiceAccount"]
+    roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Role"}
+    bindings = [o for o in objects if o["kind"] == "RoleBinding"]
+    role = roles["cube-serve-rollout"]
     rules = {(tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r.get("resourceNames", ()))): sorted(r["verbs"])
              for r in role["rules"]}
     assert rules == {
@@ -643,5 +677,15 @@ def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
         # Serverless state: the storageUri of each revision the status names.
         (("serving.knative.dev",), ("revisions",), ()): ["get"],
     }
-    assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
+    # Both Roles are bound to the account the README tells users to run as.
+    assert {b["roleRef"]["name"] for b in bindings} == set(roles)
+    for binding in bindings:
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
+    run_rules = roles["cube-serve-pipeline-run"]["rules"]
+    for call in KFP_RUN_CALLS:
+        assert _allows(run_rules, *call), call
+    # ... and nothing beyond those calls: no other Secret, no write to pods or ConfigMaps.
+    for extra in [("", "secrets", "get", "cube-serve-s3"), ("", "secrets", "list", ""),
+                  ("", "configmaps", "get", "other"), ("", "pods", "delete", "p"), ("", "pods", "list", ""),
+                  ("argoproj.io", "workflows", "get", "w")]:
+        assert not _allows(run_rules, *extra), extra
