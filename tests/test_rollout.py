@@ -394,6 +394,30 @@ def test_a_rollout_while_another_is_unfinished_is_refused(overlay):
             r.plan_promote(two, REGISTRY)
 
 
+@pytest.mark.parametrize("overlay", ["canary", "raw"])
+def test_a_roll_out_promotes_or_rolls_back_only_its_own_canary(overlay):
+    """Two pipeline runs: run A started the canary of version 2, run B replaced it with version 3
+    (after A's was rolled back). A's promote and rollback name version 2 and are refused; without
+    a version (the CLI) they act on whatever canary there is."""
+    world = World(overlay)
+    world.do("canary", "2", 10)
+    world.kserve.start_pods()
+    world.do("rollback", force=True)
+    world.kserve.start_pods()
+    if world.state().phase == r.ROLLING_BACK:  # Serverless: pin, then clear once the old revision is ready
+        world.do("rollback")
+    world.do("canary", "3", 10)
+    world.kserve.start_pods()
+    for action in ("promote", "rollback"):
+        with pytest.raises(r.RolloutError, match="canary of version 2: the canary is version 3"):
+            world.plan(action, canary="2")
+    assert world.plan("promote", canary="3").changed
+    world.do("promote", canary="3")
+    world.kserve.start_pods()
+    with pytest.raises(r.RolloutError, match="cannot promote the canary of version 3: stable"):
+        world.plan("promote", canary="3")  # promoted already: no canary of its own to act on
+
+
 def test_services_outside_the_registry_are_refused():
     with pytest.raises(r.RolloutError, match="no storageUri"):
         World("cpu").plan("canary", "2", 10)

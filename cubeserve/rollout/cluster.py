@@ -185,8 +185,9 @@ class Rollout:
         isvc, registry, revisions = self.read()
         if action == "canary":
             return isvc, plan_canary(isvc, registry, version, percent, revisions, self.mode)
+        # promote / rollback: `version` names the canary they may act on (None: whichever).
         planner = {"promote": plan_promote, "rollback": plan_rollback}[action]
-        return isvc, planner(isvc, registry, revisions, self.mode, force)
+        return isvc, planner(isvc, registry, revisions, self.mode, force, canary=version)
 
     def apply(self, isvc: dict, plan: Plan, dry_run: bool = False) -> list[str]:
         """Check and send `plan`'s patch (not with dry_run); returns the preflight's notes."""

@@ -165,10 +165,22 @@ def plan_canary(isvc: Mapping, registry: VersionRegistry, version: str, percent:
                  strategy.start(isvc, version, uri, percent))
 
 
+def _require_canary(state: RolloutState, canary: str | None, action: str) -> None:
+    """A roll-out that started the canary of version `canary` acts on that one only: another
+    roll-out may have replaced it since (the patch's resourceVersion covers the time after this
+    read)."""
+    if canary is not None and (state.phase in (STABLE, UPDATING) or state.canary != canary):
+        now = f"the canary is version {state.canary}" if state.phase not in (STABLE, UPDATING) else state.summary()
+        raise RolloutError(f"{state.name}: cannot {action} the canary of version {canary}: {now} "
+                           "(another roll-out changed the InferenceService)")
+
+
 def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str] | None = None,
-                 mode: str | None = None, force: bool = False) -> Plan:
-    """Give the canary all the traffic and make it the stable version."""
+                 mode: str | None = None, force: bool = False, canary: str | None = None) -> Plan:
+    """Give the canary all the traffic and make it the stable version (only if it is version
+    `canary`, when given)."""
     state = rollout_state(isvc, registry, revisions, mode)
+    _require_canary(state, canary, "promote")
     if state.phase in (STABLE, UPDATING):
         return Plan(f"{state.name}: no canary in progress ({state.summary()}): nothing to promote")
     if state.phase == ROLLING_BACK:
@@ -181,9 +193,11 @@ def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[st
 
 
 def plan_rollback(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str] | None = None,
-                  mode: str | None = None, force: bool = False) -> Plan:
-    """Send all the traffic back to the stable version and drop the canary."""
+                  mode: str | None = None, force: bool = False, canary: str | None = None) -> Plan:
+    """Send all the traffic back to the stable version and drop the canary (only if it is
+    version `canary`, when given)."""
     state = rollout_state(isvc, registry, revisions, mode)
+    _require_canary(state, canary, "roll back")
     if state.phase in (STABLE, UPDATING):
         return Plan(f"{state.name}: no canary in progress ({state.summary()}): nothing to roll back")
     summary, patch = STRATEGIES[state.mode].rollback(isvc, state, force)
