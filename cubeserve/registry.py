@@ -143,6 +143,9 @@ class Registry(Protocol):
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None: ...
 
+    def tag_run(self, run_id: str, tags: dict[str, str]) -> None:
+        """Tags on the run (a tag, unlike a param, can be set again)."""
+
     def log_artifact_text(self, run_id: str, name: str, text: str) -> None:
         """A text file (e.g. the evaluation's HTML report) stored with the run as `name`."""
 
@@ -409,6 +412,12 @@ class MlflowRegistry:
         items = [Metric(key, float(value), now, step) for key, value in metrics.items()]
         for i in range(0, len(items), 1000):  # MLflow's batch limit for metrics
             self._call(f"logging metrics to run {run_id}", self.client.log_batch, run_id, metrics=items[i:i + 1000])
+
+    def tag_run(self, run_id: str, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, _tag_value(v)) for k, v in tags.items()]
+        self._call(f"tagging run {run_id}", self.client.log_batch, run_id, tags=items)
 
     def log_artifact_text(self, run_id: str, name: str, text: str) -> None:
         self._call(f"storing {name} with run {run_id}", self.client.log_text, run_id, text, name)

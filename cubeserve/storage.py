@@ -40,6 +40,11 @@ class StorageError(ValueError):
     """An object-store operation failed; the message names the URI and the cause."""
 
 
+class PreconditionFailed(StorageError):
+    """A conditional write lost: the object exists already (create) or changed since it was
+    read (replace)."""
+
+
 @dataclass(frozen=True)
 class _S3:
     bucket: str
@@ -327,6 +332,104 @@ def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-st
     client = _client(uri)
     with _s3_errors(uri, location, "write to"):
         client.put_object(Bucket=location.bucket, Key=location.key, Body=data, ContentType=content_type)
+
+
+# -- conditional writes: what lets runs that overlap agree (cubeserve.pipeline.leases) -------------
+# S3's conditional writes (PutObject with If-None-Match: * or If-Match: <ETag>; AWS S3 since 2024,
+# MinIO): the store refuses with 412 PreconditionFailed (409 ConditionalRequestConflict while
+# another conditional write to the key is in flight). A store that ignores the headers accepts
+# every write: `honours_conditional_writes` finds out. Local paths do the same under a lock file.
+
+def read_versioned(uri: str) -> tuple[str, str] | None:
+    """(text, ETag) of one object, None when it does not exist; pass the ETag to write_if."""
+    location = _parse(uri)
+    if isinstance(location, Path):
+        with _local_lock(location):
+            text = read_text(uri)
+        return None if text is None else (text, _local_etag(text.encode("utf-8")))
+    client = _client(uri)
+    with _s3_errors(uri, location, "read"):
+        try:
+            reply = client.get_object(Bucket=location.bucket, Key=location.key)
+        except client.exceptions.NoSuchKey:
+            return None
+        return reply["Body"].read().decode("utf-8"), reply["ETag"]
+
+
+def write_if(uri: str, text: str, etag: str | None) -> str:
+    """Write `text` only if the object does not exist (etag None) or still has `etag` (what
+    read_versioned gave); returns the new ETag. PreconditionFailed when another writer won."""
+    data = text.encode("utf-8")
+    location = _parse(uri)
+    if isinstance(location, Path):
+        with _local_lock(location):
+            current = location.read_bytes() if location.exists() else None
+            if (etag is None and current is not None) or (
+                    etag is not None and (current is None or _local_etag(current) != etag)):
+                raise PreconditionFailed(f"{uri}: " + ("exists already" if etag is None else "changed since it was read"))
+            write_bytes(uri, data)
+        return _local_etag(data)
+    from botocore import exceptions as bx
+
+    client = _client(uri)
+    condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+    with _s3_errors(uri, location, "write to"):  # (it passes a StorageError on as it is)
+        try:
+            return client.put_object(Bucket=location.bucket, Key=location.key, Body=data,
+                                     ContentType="application/json", **condition)["ETag"]
+        except bx.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                what = "exists already" if etag is None else "changed since it was read"
+                raise PreconditionFailed(f"{uri}: {what} ({code or status})") from exc
+            raise
+
+
+def honours_conditional_writes(uri: str) -> bool:
+    """Whether the store under the directory `uri` refuses a second create of one object (a
+    probe object, removed afterwards). rclone's `serve s3` does not (rclone issue #8566)."""
+    import uuid
+
+    probe = join(uri, f".conditional-write-probe-{uuid.uuid4().hex}")
+    write_if(probe, "probe", None)
+    try:
+        write_if(probe, "probe", None)
+        return False
+    except PreconditionFailed:
+        return True
+    finally:
+        delete(probe)
+
+
+def delete(uri: str) -> None:
+    """Remove one object (no error when it is absent)."""
+    location = _parse(uri)
+    if isinstance(location, Path):
+        location.unlink(missing_ok=True)
+        return
+    client = _client(uri)
+    with _s3_errors(uri, location, "delete from"):
+        client.delete_object(Bucket=location.bucket, Key=location.key)
+
+
+def _local_etag(data: bytes) -> str:
+    import hashlib
+
+    return '"' + hashlib.md5(data).hexdigest() + '"'  # noqa: S324 - S3's ETag of a plain PUT
+
+
+@contextmanager
+def _local_lock(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def write_text(uri: str, text: str) -> None:

@@ -27,11 +27,10 @@ from kfp import dsl, kubernetes
 from kfp.dsl import HTML, Metrics, Output, PipelineTaskFinalStatus
 
 from cubeserve import deploy
-from cubeserve.pipeline.serving import ROLLOUT_DEADLINE_S
+from cubeserve.pipeline.serving import FINISH_DEADLINE_S, ROLLOUT_DEADLINE_S
+from cubeserve.pipeline.steps import S3_SECRET, S3_SECRET_KEYS
 
 PIPELINE_NAME = "cube3d-checkpoint-rollout"
-S3_SECRET = "cube-serve-s3"
-S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 MLFLOW_SECRET = "cube-serve-mlflow"
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
 # Target local loads versions through tritonserver's model-repository API, an admin API (README,
@@ -42,25 +41,29 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 # -- the steps (plain functions; `build` makes them components of an image) ----------------------
 
-def validate(checkpoint: str, registry_uri: str, model_name: str, device: str, pipeline_run_id: str,
-             ) -> NamedTuple("ValidateOutputs", [("validation", dict), ("action", str), ("version", str),
-                                                 ("mlflow_run_id", str)]):
-    """Only safetensors + configs, strict load, version detected, sha256 of every file; opens
-    this pipeline run's MLflow run; decides what the run does (new, resume or done)."""
+def validate(checkpoint: str, model_store: str, registry_uri: str, model_name: str, device: str,
+             pipeline_run_id: str) -> NamedTuple("ValidateOutputs", [("validation", dict), ("action", str),
+                                                                     ("version", str), ("mlflow_run_id", str)]):
+    """The run's Secrets, object store and registry answer (first, so a missing one fails the
+    run at once); only safetensors + configs, strict load, version detected, sha256 of every
+    file; opens this pipeline run's MLflow run; decides what the run does (new, resume or done)."""
     from collections import namedtuple
 
-    from cubeserve.pipeline.steps import DEVICES, plan_run, validate_checkpoint
+    from cubeserve.pipeline.steps import DEVICES, DONE, mark_finished, plan_run, preflight, validate_checkpoint
     from cubeserve.registry import open_registry
 
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    result = validate_checkpoint(checkpoint)
+    preflight(checkpoint, model_store)
     registry = open_registry(registry_uri, model_name)
+    result = validate_checkpoint(checkpoint)
     action, version, why = plan_run(registry, result["sha256"])
     run_id = registry.start_run(pipeline_run_id, {
         "checkpoint": checkpoint, "sha256": result["sha256"], "config_name": result["config_name"],
         "checkpoint_version": result["version"], "action": action})
     print(f"checkpoint {result['sha256'][:12]}: {action} ({why})")
+    if action == DONE:  # nothing follows: this run's work is done
+        mark_finished(registry, pipeline_run_id, "validate", why)
     out = namedtuple("ValidateOutputs", ["validation", "action", "version", "mlflow_run_id"])
     return out(result, action, version, run_id)
 
@@ -100,9 +103,12 @@ def package(checkpoint: str, model_store: str, instance_kind: str, validation: d
     """Version N in the model store (`<model_store>/<N>/`, what KServe's storageUri names). N is
     past every registered version too, so a rolled-back version's number is never reused for
     other weights. For the kserve target, N is listed in the ConfigMap cube3d-versions."""
+    from cubeserve.pipeline.leases import unprotected_warning
     from cubeserve.pipeline.serving import record_version
     from cubeserve.pipeline.steps import package as upload_version
     from cubeserve.registry import open_registry
+
+    print(unprotected_warning(model_store) or "the model store honours conditional writes: version N is this run's alone")
 
     known = [v.triton_version for v in open_registry(registry_uri, model_name).versions()]
     version = upload_version(checkpoint, model_store, validation, instance_kind, min_version=max(known, default=0) + 1)
@@ -159,7 +165,9 @@ STEPS = (validate, evaluate, gate, package, register, roll_out, finish)
 
 
 def _with_secrets(task: dsl.PipelineTask) -> dsl.PipelineTask:
-    kubernetes.use_secret_as_env(task, S3_SECRET, {k: k for k in S3_SECRET_KEYS})
+    # Optional: a pod whose Secret is missing would wait (CreateContainerConfigError) until its
+    # deadline and then be retried; the first step checks the credentials instead (steps.preflight).
+    kubernetes.use_secret_as_env(task, S3_SECRET, {k: k for k in S3_SECRET_KEYS}, optional=True)
     kubernetes.use_secret_as_env(task, MLFLOW_SECRET, {k: k for k in MLFLOW_SECRET_KEYS}, optional=True)
     return task
 
@@ -178,7 +186,7 @@ POD = {
     "package": ("2", "16Gi", 2, 3600),
     "register": ("250m", "1Gi", 2, 600),
     "roll_out": ("1", "2Gi", 0, ROLLOUT_DEADLINE_S),
-    "finish": ("250m", "1Gi", 2, 1800),
+    "finish": ("250m", "1Gi", 2, FINISH_DEADLINE_S),
 }
 
 
@@ -214,6 +222,8 @@ def build(image: str):
         prompts: list = ["a red chair", "a wooden table", "a small boat"],
         resolution: int = 5,
         device: str = "cpu",
+        gpu_tolerations: list = [],
+        gpu_node_selector: dict = {},
         min_valid_share: float = 1.0,
         min_watertight_share: float = 0.0,
         min_token_agreement: float = 0.0,
@@ -246,6 +256,8 @@ def build(image: str):
             prompts: Prompts of the evaluation and of the canary's soak requests.
             resolution: Marching-cubes resolution (log2 of the grid size) of the evaluation meshes.
             device: cpu or cuda: where the evaluation runs (cuda requests one GPU for that step).
+            gpu_tolerations: Tolerations of the GPU evaluation's pod (device cuda), Kubernetes' fields, e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}].
+            gpu_node_selector: Node labels the GPU evaluation's pod needs (device cuda), e.g. {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}.
             min_valid_share: Gate: the least share of prompts that must give a non-empty mesh.
             min_watertight_share: Gate: the least share of watertight meshes.
             min_token_agreement: Gate: the least share of shape tokens equal to the champion's (greedy); not checked without a champion.
@@ -272,8 +284,8 @@ def build(image: str):
                            triton_url=triton_url, model_store=model_store, namespace=namespace, isvc=isvc)
         _pod(done, "finish")
         with dsl.ExitHandler(done, name="checkpoint"):
-            checked = _pod(c["validate"](checkpoint=checkpoint, registry_uri=registry_uri, model_name=model_name,
-                                         device=device, pipeline_run_id=run_id), "validate")
+            checked = _pod(c["validate"](checkpoint=checkpoint, model_store=model_store, registry_uri=registry_uri,
+                                         model_name=model_name, device=device, pipeline_run_id=run_id), "validate")
             action, mlflow_run = checked.outputs["action"], checked.outputs["mlflow_run_id"]
             rollout_args = dict(target=target, registry_uri=registry_uri, model_name=model_name,
                                 canary_percent=canary_percent, soak_requests=soak_requests,
@@ -290,6 +302,10 @@ def build(image: str):
                 with dsl.If(device == "cuda", name="on-gpu"):
                     on_gpu = _pod(c["evaluate"](**evaluate_args), "evaluate-gpu")
                     on_gpu.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(1)
+                    # GPU nodes are often tainted: without a toleration the pod stays Pending, and
+                    # its deadline never starts (it counts from the pod's start on a node).
+                    kubernetes.add_toleration_json(on_gpu, gpu_tolerations)
+                    kubernetes.add_node_selector_json(on_gpu, gpu_node_selector)
                 with dsl.Else(name="on-cpu"):
                     on_cpu = _pod(c["evaluate"](**evaluate_args), "evaluate")
                 metrics = dsl.OneOf(on_gpu.outputs["Output"], on_cpu.outputs["Output"])

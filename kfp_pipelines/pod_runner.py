@@ -22,8 +22,28 @@ The DAG: `dependentTasks` and input producers order the tasks; `triggerPolicy.co
 false; `dagOutputs` with `valueFromOneof` take the branch that ran (dsl.OneOf); after a failure no
 new task starts, except those with `strategy: ALL_UPSTREAM_TASKS_COMPLETED` (dsl.ExitHandler's
 exit task), which get the `PipelineTaskFinalStatus` of the DAG they watch as the driver builds it
-(driver/resolve.go, the TaskFinalStatus case): `state` is the DAG execution's MLMD state
-(COMPLETE, FAILED, ...), and `error` is empty (the backend does not fill it in yet).
+(driver/resolve.go, the TaskFinalStatus case): `state` is that DAG execution's MLMD state at the
+time, and `error` is empty (the backend does not fill it in yet).
+
+That MLMD state is not the run's outcome, and the runner keeps it as the backend does, per
+release (`backend`, one of BACKENDS; kubeflow/pipelines at tags 2.14.0 and 2.17.0):
+* a driver creates each task's execution RUNNING, or CANCELED when its condition is false
+  ("not triggered": driver/dag.go and driver/container.go, `ecfg.NotTriggered`;
+  metadata/client.go CreateExecution); a DAG's execution records `total_dag_tasks`, the number
+  of tasks in its spec (driver/dag.go);
+* only a launcher changes a state: when its container ends it publishes COMPLETE or FAILED and
+  then calls UpdateDAGExecutionsState on the container's parent DAG (component/launcher_v2.go,
+  the deferred "DAG Status Update"), which sets the DAG COMPLETE when its COMPLETE, CACHED and
+  CANCELED children number `total_dag_tasks`, else FAILED when one child FAILED, else leaves it
+  (metadata/client.go). A pod that never ran its launcher (a missing Secret, an image that
+  cannot be pulled, killed at its deadline) leaves its execution RUNNING and updates nothing;
+  a retried step keeps its execution, so its last attempt's state counts;
+* up to 2.16.x that update stops at the parent: a DAG whose children are all sub-DAGs (an
+  If/Elif/Else's `condition-branches`) is never updated, so an exit handler around one sees
+  RUNNING for a run that succeeded, and RUNNING for one that failed inside a branch. From 2.17.0
+  (kubeflow/pipelines#13322) a DAG that reaches COMPLETE or FAILED updates its parent in turn,
+  up to the root; a `condition-branches` DAG none of whose branches ran still has no launcher
+  below it, so a run that took no branch still ends RUNNING for its exit handler.
 `retryPolicy` reruns a failed step (without the backoff wait). Caching is never used: every step
 runs.
 
@@ -48,8 +68,20 @@ import yaml
 
 SUCCEEDED, FAILED, SKIPPED = "SUCCEEDED", "FAILED", "SKIPPED"
 EXIT_STRATEGY = "ALL_UPSTREAM_TASKS_COMPLETED"
-# A DAG's state as an exit task sees it: MLMD's Execution.State names (driver/resolve.go).
-_MLMD_STATE = {SUCCEEDED: "COMPLETE", FAILED: "FAILED", SKIPPED: "CANCELED"}
+# MLMD's Execution.State names, what an exit task sees (driver/resolve.go).
+RUNNING, COMPLETE, CANCELED = "RUNNING", "COMPLETE", "CANCELED"
+# The KFP backends whose DAG-state rules the runner follows (module docstring): 2.14.0 to 2.16.x
+# share one UpdateDAGExecutionsState; 2.17.0 propagates a DAG's end to its parents.
+BACKENDS = ("2.14.0", "2.17.0")
+
+
+@dataclass
+class _Execution:
+    """A task's MLMD execution: its state and, for a DAG, its children and `total_dag_tasks`."""
+    state: str
+    parent: "_Execution | None" = None
+    total_tasks: int = 0  # 0: a container, or the root DAG (never updated: 2.17's client.go skips it)
+    children: list = field(default_factory=list)
 
 
 class PipelineSpecError(ValueError):
@@ -65,6 +97,10 @@ class TaskResult:
     attempts: int = 0
     error: str = ""
     log: str = ""
+    mlmd_state: str = ""  # the task's MLMD execution state ("" when no driver ran for it)
+    launched: bool = False  # the launcher ran the command to its end (not a pod that never started or was killed)
+    pod: dict = field(default_factory=dict)  # the pod's nodeSelector and tolerations, as the driver set them
+    execution: "_Execution | None" = field(default=None, repr=False)
 
 
 @dataclass
@@ -106,7 +142,11 @@ class PodRunner:
 
     def __init__(self, compiled: str | Path, images: dict[str, str | Path], secrets: dict[str, dict[str, str]],
                  pipeline_root: str, workdir: str | Path, upload: Callable[[Path, str], None],
-                 keep_pods: bool = False, log: Callable[[str], None] = print, step_timeout: float = 1800):
+                 keep_pods: bool = False, log: Callable[[str], None] = print, step_timeout: float = 1800,
+                 backend: str = BACKENDS[0]):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.backend = backend
         self.spec, self.platform = load_pipeline(compiled)
         self.images = {k: Path(v) for k, v in images.items()}
         self.secrets = secrets
@@ -135,15 +175,21 @@ class PodRunner:
         unknown = sorted(set(arguments) - set(inputs))
         if unknown:
             raise PipelineSpecError(f"unknown pipeline parameters: {', '.join(unknown)}")
-        state, _, error = self._run_dag(root["dag"], inputs, "")
+        state, _, error = self._run_dag(root["dag"], inputs, "", _Execution(RUNNING))
         return RunResult(self.run_id, state, self.results, error)
 
-    def _run_dag(self, dag: dict, inputs: dict, scope: str) -> tuple[str, dict, str]:
-        """Run a DAG's tasks in dependency order; returns (state, output parameters, first error)."""
+    def _run_dag(self, dag: dict, inputs: dict, scope: str, execution: _Execution) -> tuple[str, dict, str]:
+        """Run a DAG's tasks in dependency order; returns (state, output parameters, first error).
+
+        Argo starts every task whose dependencies are done at once, so their drivers (which
+        create the executions, CANCELED for a false condition) all run before any of their pods
+        ends: the runner drives each ready task before it runs the next one's pod."""
         tasks = dag.get("tasks") or {}
+        order = _topological(tasks)
         done: dict[str, TaskResult] = {}
+        driven: dict[str, TaskResult | tuple] = {}
         failed_error = ""
-        for name in _topological(tasks):
+        for name in order:
             task = tasks[name]
             path = f"{scope}/{name}".lstrip("/")
             upstream = [done[d] for d in _dependencies(task)]
@@ -151,29 +197,66 @@ class PodRunner:
             if not exit_task and (failed_error or any(u.state == FAILED for u in upstream)):
                 result = TaskResult(path, SKIPPED, error="not started: an earlier task failed")
             else:
-                result = self._run_task(task, path, inputs, done)
+                for other in order:  # the drivers of every task that is ready now
+                    if other not in driven and other not in done and (
+                            other == name or all(d in done for d in _dependencies(tasks[other]))):
+                        driven[other] = self._drive(tasks[other], f"{scope}/{other}".lstrip("/"), inputs, done,
+                                                    execution)
+                drove = driven.pop(name)
+                result = drove if isinstance(drove, TaskResult) else self._run_task(task, path, *drove)
+            if result.execution is not None:
+                result.mlmd_state = result.execution.state
             done[name] = self.results[path] = result
             if result.state == FAILED and not failed_error:  # a sub-DAG's error names its failed step
                 failed_error = result.error if result.error.startswith(path + "/") else f"{path}: {result.error}"
         outputs = self._dag_outputs(dag, done)
         return (FAILED if failed_error else SUCCEEDED), outputs, failed_error
 
-    def _run_task(self, task: dict, path: str, scope_inputs: dict, done: dict) -> TaskResult:
+    def _drive(self, task: dict, path: str, scope_inputs: dict, done: dict, parent: _Execution):
+        """The driver: resolves the inputs and creates the task's execution in its parent DAG
+        (CANCELED when its condition is false). Returns a TaskResult when the task will not run,
+        else what _run_task needs."""
         try:
             params = self._resolve_inputs(task, scope_inputs, done)
         except _UpstreamSkipped as exc:
             return TaskResult(path, SKIPPED, error=str(exc))
+        component = self.components[task["componentRef"]["name"]]
+        execution = _Execution(RUNNING, parent, len((component.get("dag") or {}).get("tasks") or {}))
+        parent.children.append(execution)
         condition = task.get("triggerPolicy", {}).get("condition")
         if condition and not evaluate_condition(condition, params):
-            return TaskResult(path, SKIPPED, error=f"condition not met: {condition}")
-        component = self.components[task["componentRef"]["name"]]
+            execution.state = CANCELED  # not triggered
+            return TaskResult(path, SKIPPED, error=f"condition not met: {condition}", execution=execution)
+        return component, params, execution, scope_inputs
+
+    def _run_task(self, task: dict, path: str, component: dict, params: dict, execution: _Execution,
+                  scope_inputs: dict) -> TaskResult:
         if task.get("iteratorPolicy") or task.get("parameterIterator") or task.get("artifactIterator"):
             raise PipelineSpecError(f"{path}: ParallelFor is not supported")
         if "dag" in component:
             self.log(f"[{path}] sub-DAG")
-            state, outputs, error = self._run_dag(component["dag"], params, path)
-            return TaskResult(path, state, outputs, error=error)
-        return self._run_container(task, component, path, params)
+            state, outputs, error = self._run_dag(component["dag"], params, path, execution)
+            return TaskResult(path, state, outputs, error=error, execution=execution)
+        result = self._run_container(task, component, path, params, execution, scope_inputs)
+        result.execution = execution
+        return result
+
+    def _launcher_ended(self, execution: _Execution, state: str) -> None:
+        """What a launcher does when its container ends: publish the execution's state, then
+        UpdateDAGExecutionsState on its parent DAG (module docstring)."""
+        execution.state = state
+        dag = execution.parent
+        while dag is not None and dag.total_tasks:
+            states = [child.state for child in dag.children]
+            if sum(s in (COMPLETE, "CACHED", CANCELED) for s in states) == dag.total_tasks:
+                dag.state = COMPLETE
+            elif FAILED in states:
+                dag.state = FAILED
+            else:
+                return  # "DAG is still running"
+            if _release(self.backend) < (2, 17):
+                return  # no upward propagation before kubeflow/pipelines#13322
+            dag = dag.parent
 
     # -- inputs and outputs ----------------------------------------------------------------------
 
@@ -199,7 +282,9 @@ class PodRunner:
                 params[name] = self._placeholders(source["runtimeValue"]["constant"])
             elif "taskFinalStatus" in source:
                 producer = done[source["taskFinalStatus"]["producerTask"]]
-                params[name] = {"state": _MLMD_STATE[producer.state], "pipelineJobResourceName": self.run_id,
+                if producer.execution is None:
+                    raise PipelineSpecError(f"input {name}: {producer.name} has no execution")
+                params[name] = {"state": producer.execution.state, "pipelineJobResourceName": self.run_id,
                                 "pipelineTaskName": producer.name.rsplit("/", 1)[-1], "error": {}}
             else:
                 raise PipelineSpecError(f"input {name}: unsupported source {sorted(source)}")
@@ -232,14 +317,18 @@ class PodRunner:
 
     # -- one pod ---------------------------------------------------------------------------------
 
-    def _run_container(self, task: dict, component: dict, path: str, params: dict) -> TaskResult:
+    def _run_container(self, task: dict, component: dict, path: str, params: dict,
+                       execution: _Execution, scope_inputs: dict) -> TaskResult:
         label = component["executorLabel"]
         container = self.executors[label]["container"]
         retries = int((task.get("retryPolicy") or {}).get("maxRetryCount", 0))
         result = TaskResult(path, FAILED)
         for attempt in range(1, retries + 2):
             result = self._attempt(label, container, component, path, params)
+            result.pod = self._scheduling(label, scope_inputs)
             result.attempts = attempt
+            if result.launched:
+                self._launcher_ended(execution, COMPLETE if result.state == SUCCEEDED else FAILED)
             if result.state == SUCCEEDED:
                 break
             self.log(f"[{path}] attempt {attempt} of {retries + 1} failed: {result.error}")
@@ -263,16 +352,18 @@ class PodRunner:
             proc = subprocess.run(command, cwd=work, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                   text=True, timeout=deadline)
             log, code = proc.stdout + proc.stderr, proc.returncode
+            launched = True
         except subprocess.TimeoutExpired as exc:
             out = (exc.stdout or b"") + (exc.stderr or b"")
             log = (out.decode(errors="replace") if isinstance(out, bytes) else out)
             log, code = log + f"\nDeadlineExceeded: killed after {deadline:.0f} s", -9
+            launched = False  # the kubelet killed the pod, launcher and all
         for line in log.rstrip().splitlines()[-15:]:
             self.log(f"[{path}]   {line}")
         try:
             if code != 0:
                 last = next((ln for ln in reversed(log.strip().splitlines()) if ln.strip()), "")
-                return TaskResult(path, FAILED, error=f"exit code {code}: {last}", log=log)
+                return TaskResult(path, FAILED, error=f"exit code {code}: {last}", log=log, launched=launched)
             outputs = _read_parameters(component, executor_input)
             artifacts = {}
             for name, local in artifact_paths.items():
@@ -281,10 +372,42 @@ class PodRunner:
                     self.upload(local, uri)
                     artifacts[name] = uri
             self.log(f"[{path}] succeeded in {time.monotonic() - started:.1f} s")
-            return TaskResult(path, SUCCEEDED, outputs, artifacts, log=log)
+            return TaskResult(path, SUCCEEDED, outputs, artifacts, log=log, launched=True)
         finally:
             if not self.keep_pods:
                 shutil.rmtree(pod, ignore_errors=True)
+
+    def _scheduling(self, label: str, scope_inputs: dict) -> dict:
+        """The pod's nodeSelector and tolerations as the driver sets them from kfp-kubernetes'
+        config (backend/src/v2/driver/k8s.go, initPodSpecPatch, 2.14.0 to 2.17.0): a `*Json`
+        field takes the value of the pipeline input it names (resolved in the task's DAG); a
+        null one is skipped; a toleration is one dict or a list of them, an empty one ignored."""
+        config = self.k8s_executors.get(label, {})
+        pod: dict = {}
+
+        def value(spec: dict):
+            if "componentInputParameter" in spec:
+                return scope_inputs.get(spec["componentInputParameter"])
+            if "runtimeValue" in spec:
+                return spec["runtimeValue"].get("constant")
+            raise PipelineSpecError(f"{label}: unsupported parameter source {sorted(spec)}")
+
+        selector = config.get("nodeSelector")
+        if selector is not None:
+            labels = value(selector["nodeSelectorJson"]) if "nodeSelectorJson" in selector else selector.get("labels")
+            if labels is not None:
+                pod["nodeSelector"] = dict(labels)
+        tolerations = []
+        for toleration in config.get("tolerations") or []:
+            if "tolerationJson" in toleration:
+                given = value(toleration["tolerationJson"])
+                tolerations += [given] if isinstance(given, dict) and given else list(
+                    given if isinstance(given, list) else [])
+            else:
+                tolerations.append(toleration)
+        if tolerations:
+            pod["tolerations"] = tolerations
+        return pod
 
     def _pod_env(self, label: str, container: dict, home: Path, tmp: Path, path: str) -> dict:
         image = container["image"]
@@ -322,6 +445,10 @@ class PodRunner:
                         "artifacts": artifacts, "outputFile": str(out / "executor_output.json")},
         }
         return executor_input, paths
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
 
 
 def _as_go_json(value: Any) -> Any:

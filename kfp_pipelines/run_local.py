@@ -60,10 +60,14 @@ class LocalCluster:
     """The object store, the MLflow server and a tritonserver, started for one or more runs."""
 
     def __init__(self, state: str | Path, triton_url: str = "", prometheus_url: str = "",
-                 defaults: dict | None = None):
+                 defaults: dict | None = None, backend: str = ""):
         """`triton_url` / `prometheus_url`: use these instead of starting them (a server given
         without a Prometheus: no analysis windows). `defaults`: pipeline parameters of every run
-        (over LOCAL_GATE)."""
+        (over LOCAL_GATE). `backend`: the KFP backend release whose DAG states the runs get
+        (pod_runner.BACKENDS; default the oldest, the minimum the README names)."""
+        from kfp_pipelines.pod_runner import BACKENDS
+
+        self.backend = backend or BACKENDS[0]
         self.state = Path(state).resolve()
         self.triton_url = triton_url
         self.prometheus_url = prometheus_url
@@ -120,7 +124,8 @@ class LocalCluster:
             namespace[deploy.ADMIN_SECRET] = {deploy.ADMIN_KEY_ENV: key}
         return PodRunner(compiled, images={LOCAL_IMAGE: Path(sys.executable).parent},
                          secrets={k: v for k, v in namespace.items() if v is not None},
-                         pipeline_root=PIPELINE_ROOT, workdir=self.state / "pods", upload=storage.upload_path)
+                         pipeline_root=PIPELINE_ROOT, workdir=self.state / "pods", upload=storage.upload_path,
+                         backend=self.backend)
 
     def run(self, checkpoint: str, secrets: dict | None = None, **params):
         """One pipeline run; returns the pod runner's RunResult."""
@@ -156,6 +161,8 @@ def main(argv=None) -> int:
                                                          "$CUBE3D_ADMIN_KEY")
     parser.add_argument("--prometheus-url", default="", help="Prometheus scraping that server (default: start one "
                                                              "with the server; none with --triton-url)")
+    parser.add_argument("--backend", default="", help="the KFP backend release to behave as (default: the oldest "
+                                                       "supported)")
     parser.add_argument("--param", action="append", default=[], metavar="NAME=JSON",
                         help="a pipeline parameter, e.g. --param min_token_agreement=0.9 (repeatable)")
     args = parser.parse_args(argv)
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
             params[name] = json.loads(value)
         except json.JSONDecodeError:
             params[name] = value
-    with LocalCluster(args.state, args.triton_url, args.prometheus_url) as cluster:
+    with LocalCluster(args.state, args.triton_url, args.prometheus_url, backend=args.backend) as cluster:
         result = cluster.run(args.checkpoint, **params)
         report = {"run_id": result.run_id, "state": result.state, "error": result.error,
                   "steps": {path: t.state for path, t in result.tasks.items()},

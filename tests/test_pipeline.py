@@ -83,6 +83,10 @@ def assert_champion_serving(cluster, version: str):
 
 def test_first_checkpoint_is_packaged_registered_served_and_champion(cluster, first_run, good):
     assert first_run.state == SUCCEEDED, first_run.error
+    # The oldest supported backend hands the exit handler RUNNING for this successful run; the
+    # handler goes by what the run recorded.
+    assert first_run.task("exit-handler-1").mlmd_state == "RUNNING"
+    assert first_run.task("finish").outputs["Output"].startswith("succeeded (roll_out: promoted")
     assert {"validate", "evaluate-2", "gate", "package", "register", "roll-out", "finish"} <= steps_in(first_run, SUCCEEDED)
     assert not first_run.ran("evaluate")  # the GPU branch: device is cpu
     checked = first_run.task("validate").outputs
@@ -115,6 +119,7 @@ def test_same_checkpoint_again_does_nothing(cluster, first_run, good):
     again = cluster.run(str(good))
     assert again.state == SUCCEEDED, again.error
     assert again.task("validate").outputs["action"] == "done"
+    assert again.task("finish").outputs["Output"].startswith("succeeded (validate: already version 1")
     assert not again.ran("package") and not again.ran("roll-out") and again.ran("finish")
     assert [v.version for v in registry(cluster).versions()] == ["1"]
     assert steps.store_versions(MODEL_STORE).keys() == {1}
@@ -140,7 +145,9 @@ def test_bad_input_fails_naming_it_and_the_champion_keeps_serving(cluster, first
         params["checkpoint"] = "s3://cube-serve/checkpoints/no-such-run/"
         expect = "s3://cube-serve/checkpoints/no-such-run/"
     elif case == "no secret":
-        secrets, expect = {"cube-serve-s3": None}, "Secret 'cube-serve-s3' not found"
+        # The pod starts (the Secret is optional) and the first step names what is missing, at
+        # once: a pod waiting for the Secret would hold the run for its deadline, per retry.
+        secrets, expect = {"cube-serve-s3": None}, "create the Secret cube-serve-s3 in the run's namespace"
     elif case == "wrong key":
         secrets = {"cube-serve-s3": {**cluster.store.env(), "AWS_SECRET_ACCESS_KEY": "not-the-key"}}
         expect = "AWS_SECRET_ACCESS_KEY"
@@ -151,6 +158,7 @@ def test_bad_input_fails_naming_it_and_the_champion_keeps_serving(cluster, first
     result = cluster.run(params.pop("checkpoint", str(good)), secrets=secrets, **params)
     assert result.state == FAILED and result.task("validate").state == FAILED
     assert expect in result.task("validate").error, result.task("validate").error
+    assert result.task("validate").launched  # failed by its own check, not held by the kubelet
     assert not result.ran("evaluate-2") and not result.ran("package")
     assert [v.version for v in registry(cluster).versions()] == ["1"]
     assert_champion_serving(cluster, "1")
@@ -164,7 +172,8 @@ def test_a_run_failing_after_register_clears_its_challenger_and_a_rerun_resumes(
     assert broken.task("roll-out").state == FAILED and broken.task("finish").state == SUCCEEDED
     v2 = registry(cluster).get("2")
     assert v2.tags["rollout.decision"] == "failed"
-    assert v2.tags["rollout.reason"] == f"pipeline run {broken.run_id} ended FAILED"
+    # Judged by what the run recorded (no last step finished), whatever state the backend passed.
+    assert v2.tags["rollout.reason"].startswith(f"pipeline run {broken.run_id} ended before its last step finished")
     assert registry(cluster).get_run(v2.run_id).status == "FAILED"
     assert_champion_serving(cluster, "1")  # the exit handler cleared the challenger
     # The same checkpoint again resumes the roll-out of version 2 (no second package or version),
@@ -391,7 +400,8 @@ def test_caching_retries_resources_gpu_and_secrets(compiled):
         platform_executor = secret_uses[comp["executorLabel"]]
         assert int(platform_executor["activeDeadlineSeconds"]) > 0, name  # a stuck pod fails the run
         uses = {u["secretName"]: u for u in platform_executor["secretAsEnv"]}
-        assert not uses["cube-serve-s3"].get("optional") and uses["cube-serve-mlflow"]["optional"]
+        # No pod can be held by a missing Secret (validate checks the credentials instead).
+        assert all(u.get("optional") for u in uses.values()), name
         assert {k["envVar"] for k in uses["cube-serve-s3"]["keyToEnv"]} == set(pipeline_module.S3_SECRET_KEYS)
     assert seen == set(retried)
     # The evaluation on the "cuda" branch asks for one GPU; the CPU branch asks for none.
@@ -399,6 +409,17 @@ def test_caching_retries_resources_gpu_and_secrets(compiled):
            for _, _, c in all_tasks(spec) if c.get("executorLabel", "").startswith("exec-evaluate")]
     assert sorted(map(str, gpu)) == sorted(["None", str({"count": "1", "resourceCount": "1",
                                                          "resourceType": "nvidia.com/gpu", "type": "nvidia.com/gpu"})])
+    # ... and only it can be given tolerations and a node selector (GPU nodes are often tainted;
+    # an unschedulable pod never reaches its deadline), from the run's parameters.
+    scheduled = {label: (e.get("tolerations"), e.get("nodeSelector")) for label, e in secret_uses.items()
+                 if e.get("tolerations") or e.get("nodeSelector")}
+    (gpu_label,) = [c["executorLabel"] for _, _, c in all_tasks(spec) if c.get("executorLabel", "").startswith(
+        "exec-evaluate") and executors[c["executorLabel"]]["container"]["resources"].get("accelerator")]
+    assert scheduled == {gpu_label: (
+        [{"tolerationJson": {"componentInputParameter": "pipelinechannel--gpu_tolerations"}}],
+        {"nodeSelectorJson": {"componentInputParameter": "pipelinechannel--gpu_node_selector"}})}
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["gpu_tolerations"]["defaultValue"] == [] and params["gpu_node_selector"]["defaultValue"] == {}
 
 
 def test_every_pipeline_parameter_is_described(compiled):
@@ -436,45 +457,3 @@ def _imported_modules() -> set[str]:
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module)
     return {n for n in names if n != "__future__"}
-
-
-def test_the_images_install_line_provides_every_module_the_steps_import(tmp_path):
-    """The Dockerfile's instructions up to the package install, replayed into a fresh virtual
-    environment: its COPY lines into a build folder (the image's WORKDIR), then its RUN lines as
-    written, with the environment's python3 first on PATH. Then every module that a step, or
-    what it calls, imports must import. Two differences, for this machine: pip may use its cache
-    (--no-cache-dir is dropped), and this machine's index gives torch's CPU wheel."""
-    from k8s_validation import dockerfile_instructions
-
-    steps = dockerfile_instructions(REPO / "k8s" / "Dockerfile")
-    args = dict(a.split("=", 1) for i, a in steps if i == "ARG")
-    venv, context = tmp_path / "venv", tmp_path / "image"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "LANG": "C.UTF-8",  # HOME and XDG_*: pip's cache
-           **{k: v for k, v in os.environ.items() if k.startswith(("PIP_", "HTTP", "NO_PROXY", "HOME", "XDG_"))}}
-    context.mkdir()
-    installed = False
-    for instruction, arguments in steps:
-        if instruction == "COPY":
-            *sources, target = shlex.split(arguments)
-            for source in sources:  # `COPY a b ./`: into the folder; `COPY dir ./dir`: as it
-                into = context / target / Path(source).name if target.endswith("/") else context / target
-                into.parent.mkdir(parents=True, exist_ok=True)
-                (shutil.copytree if (REPO / source).is_dir() else shutil.copy2)(REPO / source, into)
-        elif instruction == "RUN" and "pip install" in arguments:
-            command = arguments.replace("${TORCH_VERSION}", args["TORCH_VERSION"]).replace(" --no-cache-dir", "")
-            out = subprocess.run(["sh", "-c", command], cwd=context, env=env, capture_output=True, text=True,
-                                 timeout=1200)
-            assert out.returncode == 0, out.stderr[-3000:]
-            installed = ".[gpu,pipeline,front]" in command
-            if installed:
-                break
-    assert installed, "the Dockerfile installs the package with its gpu, pipeline and front extras"
-    modules = sorted(_imported_modules())
-    check = "import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint('ok')"
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", check, *modules], capture_output=True, text=True,
-                         cwd=tmp_path, env=env)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
-    # kfp's executor runs each step: it must be there without a pip install at start.
-    assert subprocess.run([str(venv / "bin" / "python"), "-c", "import kfp.dsl.executor_main"], cwd=tmp_path,
-                          env=env).returncode == 0

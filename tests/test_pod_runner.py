@@ -3,8 +3,9 @@ pipeline tests run on. A small compiled pipeline of probe steps checks the seman
 from the KFP v2 backend: one empty folder per pod, only the Secrets' keys in the environment
 (a missing Secret fails the step, an optional one does not), retries, dsl.If/Else with
 dsl.OneOf, an exit handler that gets the DAG's status as the KFP v2 driver builds it
-(kubeflow/pipelines backend/src/v2/driver/resolve.go at 7b70c7b, the TaskFinalStatus case: the
-MLMD state COMPLETE or FAILED, an empty error), and pod deadlines."""
+(kubeflow/pipelines backend/src/v2/driver/resolve.go, the TaskFinalStatus case: the DAG's MLMD
+state, an empty error), that state kept per backend release as its launcher and metadata client
+keep it (pod_runner's docstring cites the lines), and pod deadlines."""
 
 import shutil
 import sys
@@ -14,7 +15,7 @@ import pytest
 from kfp import compiler, dsl, kubernetes
 from kfp.dsl import HTML, Output, PipelineTaskFinalStatus
 
-from kfp_pipelines.pod_runner import FAILED, SKIPPED, SUCCEEDED, PodRunner, evaluate_condition
+from kfp_pipelines.pod_runner import BACKENDS, FAILED, SKIPPED, SUCCEEDED, PodRunner, evaluate_condition
 
 IMAGE = "probe:1"
 
@@ -82,14 +83,20 @@ def compiled(tmp_path_factory):
     return path
 
 
-def runner(compiled, tmp_path, secrets) -> PodRunner:
+def runner(compiled, tmp_path, secrets, backend: str = BACKENDS[0]) -> PodRunner:
     def upload(local: Path, uri: str):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(local, uri)
 
     return PodRunner(compiled, images={IMAGE: Path(sys.executable).parent}, secrets=secrets,
                      pipeline_root=str(tmp_path / "root"), workdir=tmp_path / "pods", upload=upload,
-                     keep_pods=True, log=lambda line: None)
+                     keep_pods=True, log=lambda line: None, backend=backend)
+
+
+def final_status(state_dir: Path) -> dict:
+    import json
+
+    return json.loads((state_dir / "final_status.json").read_text())
 
 
 def test_each_step_is_a_pod_with_its_own_folder_and_only_its_secrets(compiled, tmp_path):
@@ -111,8 +118,9 @@ def test_each_step_is_a_pod_with_its_own_folder_and_only_its_secrets(compiled, t
     # Output artifacts went to the pipeline root, under the run and the task.
     page = Path(result.task("probe").artifacts["page"])
     assert page.read_text() == "<p>first</p>" and result.run_id in str(page)
-    # As the driver builds it (backend/src/v2/driver/resolve.go): the DAG's MLMD state, no error.
-    assert (state / "final_status.json").read_text() == '{"state": "COMPLETE", "error": null}'
+    # As the driver builds it (backend/src/v2/driver/resolve.go): the DAG's MLMD state (below),
+    # no error.
+    assert final_status(state)["error"] is None
 
 
 def test_a_failure_skips_what_follows_and_the_exit_handler_sees_it(compiled, tmp_path):
@@ -122,7 +130,8 @@ def test_a_failure_skips_what_follows_and_the_exit_handler_sees_it(compiled, tmp
     assert result.state == FAILED and "took b failed on purpose" in result.error
     assert result.task("probe-2").state == FAILED and result.task("probe-2").attempts == 1  # no retry policy
     assert result.task("report").state == SUCCEEDED
-    assert (state / "final_status.json").read_text() == '{"state": "FAILED", "error": null}'
+    assert final_status(state) == {"state": "FAILED", "error": None}
+    assert result.task("exit-handler-1").mlmd_state == "FAILED"
 
 
 def test_a_missing_secret_fails_the_step_like_the_kubelet(compiled, tmp_path):
@@ -131,6 +140,41 @@ def test_a_missing_secret_fails_the_step_like_the_kubelet(compiled, tmp_path):
     assert result.state == FAILED
     assert "CreateContainerConfigError: Secret 'store' not found" in result.task("probe").error
     assert result.task("condition-branches-2").state == SKIPPED and result.task("report").state == SUCCEEDED
+
+
+# What the exit task is told, per backend (pod_runner's docstring; kubeflow/pipelines
+# backend/src/v2/metadata/client.go UpdateDAGExecutionsState, component/launcher_v2.go's deferred
+# DAG update, driver/dag.go total_dag_tasks; 2.17.0 adds #13322's upward propagation). The probe's
+# first step fails once and is retried; the If/Else sits in a `condition-branches` DAG.
+@pytest.mark.parametrize("backend, arguments, secrets, exit_state, branches_state", [
+    # 2.14-2.16: the retried step's first attempt set the exit DAG FAILED, and nothing resets it:
+    # the condition-branches DAG below it is never updated (no launcher of its own).
+    ("2.14.0", {"branch": "a"}, {"store": {"KEY": "k"}}, "FAILED", "RUNNING"),
+    # 2.17: the branch's end reaches condition-branches, then the exit DAG: COMPLETE.
+    ("2.17.0", {"branch": "a"}, {"store": {"KEY": "k"}}, "COMPLETE", "COMPLETE"),
+    # The step after the branches fails: FAILED on both.
+    ("2.14.0", {"branch": "b", "fail_second": True}, {"store": {"KEY": "k"}}, "FAILED", "RUNNING"),
+    ("2.17.0", {"branch": "b", "fail_second": True}, {"store": {"KEY": "k"}}, "FAILED", "COMPLETE"),
+    # The first pod never starts (its Secret is missing): no launcher runs, the DAG stays RUNNING.
+    ("2.14.0", {"branch": "a"}, {}, "RUNNING", None),
+    ("2.17.0", {"branch": "a"}, {}, "RUNNING", None),
+])
+def test_the_exit_handler_gets_the_state_the_backend_keeps(compiled, tmp_path, backend, arguments, secrets,
+                                                          exit_state, branches_state):
+    state = tmp_path / "state"
+    result = runner(compiled, tmp_path, secrets, backend).run({**arguments, "state_dir": str(state)})
+    assert result.task("report").state == SUCCEEDED
+    assert final_status(state)["state"] == exit_state == result.task("exit-handler-1").mlmd_state
+    branches = [t for p, t in result.tasks.items() if p.rsplit("/", 1)[-1].startswith("condition-branches")]
+    assert [t.mlmd_state or None for t in branches] == [branches_state]
+    if branches_state:  # the branch not taken was never triggered
+        assert sorted(t.mlmd_state for p, t in result.tasks.items()
+                      if p.rsplit("/", 1)[-1] in ("condition-3", "condition-4")) == ["CANCELED", "COMPLETE"]
+
+
+def test_an_unknown_backend_is_refused(compiled, tmp_path):
+    with pytest.raises(ValueError, match="backend must be one of 2.14.0, 2.17.0"):
+        runner(compiled, tmp_path, {}, backend="2.13.0")
 
 
 def test_an_unknown_image_cannot_be_pulled(compiled, tmp_path):
@@ -160,6 +204,29 @@ def test_a_step_past_its_deadline_is_killed(tmp_path):
     assert runner(path, tmp_path, {}).run({"seconds": 0.1}).state == SUCCEEDED
     result = runner(path, tmp_path, {}).run({"seconds": 30})
     assert result.state == FAILED and "DeadlineExceeded: killed after 2 s" in result.task("nap").error
+
+
+def test_tolerations_and_node_selector_from_pipeline_inputs(tmp_path):
+    """kfp-kubernetes' add_toleration_json / add_node_selector_json with pipeline inputs, resolved
+    as the driver does (backend/src/v2/driver/k8s.go: a dict is one toleration, a list several,
+    an empty one none)."""
+    n = dsl.component(nap, base_image=IMAGE, install_kfp_package=False)
+
+    @dsl.pipeline(name="scheduled")
+    def pipeline(tolerations: list = [], selector: dict = {}, gpu: bool = True):
+        with dsl.If(gpu == True):  # noqa: E712 - inside a sub-DAG: resolved in the task's own DAG
+            task = n(seconds=0.0)
+            kubernetes.add_toleration_json(task, tolerations)
+            kubernetes.add_node_selector_json(task, selector)
+
+    path = tmp_path / "scheduled.yaml"
+    compiler.Compiler().compile(pipeline, str(path))
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    result = runner(path, tmp_path, {}).run({"tolerations": [gpu, {"key": "pool", "value": "a"}],
+                                             "selector": {"gpu": "h100"}})
+    assert result.task("nap").pod == {"tolerations": [gpu, {"key": "pool", "value": "a"}],
+                                      "nodeSelector": {"gpu": "h100"}}
+    assert runner(path, tmp_path, {}).run({}).task("nap").pod == {"nodeSelector": {}}
 
 
 @pytest.mark.parametrize("condition, params, expected", [

@@ -36,10 +36,12 @@ import os
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
+from cubeserve.pipeline import leases
 
 
 def _model_config_json(config_pbtxt: str, versions: list[int], experiment: str = "") -> str:
@@ -151,6 +153,9 @@ TARGETS = ("local", "kserve")
 # end well before it, so that the decision is made and recorded.
 ROLLOUT_DEADLINE_S = 7200
 MAX_SOAK_S = ROLLOUT_DEADLINE_S - 1800
+# The exit handler's deadline: the roll-out lease outlives both steps, so it expires (and another
+# run may take over) only when neither this run's roll-out nor its exit handler can still act.
+FINISH_DEADLINE_S = 1800
 
 
 def send_traffic(triton_url: str, prompts: list[str], seconds: float, clients: int = 2, requests: int = 0,
@@ -318,13 +323,20 @@ def roll_out(target: str, registry_uri: str, model_name: str, version: str, cana
         raise ValueError(f"canary_percent must be from 1 to 99 with analysis windows, got {canary_percent}")
     registry = open_registry(registry_uri, model_name)
     new = registry.get(version)
+    model_store = model_store or new.tags.get("model_store", "")
     champion = registry.by_alias(CHAMPION)
     if champion is not None and champion.version == new.version:
-        return {"decision": "unchanged", "reason": f"version {version} is already the champion"}
-    registry.set_alias(CHALLENGER, version)
+        return _decided(registry, pipeline_run_id, {"decision": "unchanged",
+                                                    "reason": f"version {version} is already the champion"})
+    # One roll-out at a time per model store: LeaseHeld (the step fails, naming the holder) while
+    # another run's is under way. Held until the decision is recorded, or, when this step fails,
+    # until the exit handler has put the champion back.
+    owner = pipeline_run_id or f"cubeserve-{uuid.uuid4().hex[:12]}"
+    leases.acquire(model_store, owner, version, ROLLOUT_DEADLINE_S + FINISH_DEADLINE_S)
+    # Tagged first: the exit handler recognises its run's challenger by the tag.
     registry.set_tags(version, {"rollout.target": target, "rollout.canary_percent": str(canary_percent),
                                 "rollout.pipeline_run_id": pipeline_run_id, "rollout.started": _now()})
-    model_store = model_store or new.tags.get("model_store", "")
+    registry.set_alias(CHALLENGER, version)
     analyses: list[dict] = []  # every analysis window, as it is judged
     if target == "local":
         decision, reason = _local(new, champion, triton_url, model_store, prompts, soak_requests,
@@ -339,7 +351,18 @@ def roll_out(target: str, registry_uri: str, model_name: str, version: str, cana
     if analyses:
         tags["rollout.analysis"] = _analysis_tag(analyses)
     registry.set_tags(version, tags)
-    return {"decision": decision, "reason": reason, "analysis": analyses}
+    result = _decided(registry, pipeline_run_id, {"decision": decision, "reason": reason, "analysis": analyses})
+    leases.release(model_store, owner)
+    return result
+
+
+def _decided(registry, pipeline_run_id: str, result: dict) -> dict:
+    """The roll-out is the last step of a run that took a checkpoint to a decision."""
+    from cubeserve.pipeline.steps import mark_finished
+
+    if pipeline_run_id:
+        mark_finished(registry, pipeline_run_id, "roll_out", f"{result['decision']}: {result['reason']}")
+    return result
 
 
 def _analysis_tag(analyses: list[dict]) -> str:
@@ -473,30 +496,25 @@ def _kserve(new, champion, percent, soak_seconds, namespace, isvc, force_rollbac
     time.sleep(soak_seconds)
     state = target.state()
     if not state.ready or force_rollback:
-        _kserve_rollback(target)
+        _kserve_rollback(target, version)
         why = "rollback requested" if force_rollback else f"not ready after {soak_seconds:.0f} s ({state.summary()})"
         return "rolled_back", f"canary of version {version} at {percent}%: {why}"
     if gate.enabled:
         baseline = champion.triton_version if champion is not None else None
         problem = _analysis_windows(gate, new.triton_version, baseline, analyses)
         if problem:
-            _kserve_rollback(target)
+            _kserve_rollback(target, version)
             return "rolled_back", f"canary of version {version} at {percent}%: {problem}"
-    target.run("promote")
+    target.run("promote", version=version)  # this run's canary, or nothing
     passed = f"; {gate.windows} analysis windows passed" if gate.enabled else ""
     return "promoted", f"canary of version {version} at {percent}% was ready after {soak_seconds:.0f} s{passed}"
 
 
-def _kserve_rollback(target) -> None:
+def _kserve_rollback(target, version: str) -> None:
     # Serverless rollbacks take two calls (pin traffic, then clear it once the old revision is
-    # ready); the first is made here, `cubeserve rollout rollback --wait` finishes it.
-    target.run("rollback", force=True)
-
-
-# The exit task's `status.state` for a run that succeeded: the KFP v2 backend passes the DAG's MLMD
-# execution state (COMPLETE; backend/src/v2/driver/resolve.go), the SDK's documentation says
-# SUCCEEDED. Anything else (FAILED, CANCELED, ...) is a failure.
-SUCCEEDED_STATES = ("COMPLETE", "SUCCEEDED")
+    # ready); the first is made here, `cubeserve rollout rollback --wait` finishes it. Only this
+    # run's canary (`version`) is rolled back.
+    target.run("rollback", version=version, force=True)
 
 
 def finish_run(state: str, error: str, registry_uri: str, model_name: str, pipeline_run_id: str, target: str,
@@ -504,37 +522,54 @@ def finish_run(state: str, error: str, registry_uri: str, model_name: str, pipel
     """The exit handler: close the run's MLflow run; if the run failed after a version became
     `challenger` in it, take that version out of serving (the champion keeps serving), clear the
     alias and tag the version `rollout.decision=failed`, so that running the same checkpoint
-    again resumes its roll-out. Returns what it did. (`error` is often empty: the KFP backend
-    does not report the failed step's message to the exit task.)"""
+    again resumes its roll-out. Returns what it did.
+
+    Whether the run succeeded is what its last step recorded (steps.mark_finished), not `state`:
+    the KFP backend hands the exit task the MLMD state of the DAG it watches, which is RUNNING
+    for a run that succeeded (and for many that failed) on backends before 2.17.0, and RUNNING
+    on 2.17 too for a run that took no If branch; FAILED can follow a retried step that then
+    succeeded (kfp_pipelines/pod_runner.py, from the backend's source). `error` is always empty
+    (the backend does not fill it in)."""
+    from cubeserve.pipeline.steps import finished
     from cubeserve.registry import CHALLENGER, CHAMPION, open_registry
 
     registry = open_registry(registry_uri, model_name)
     run_id = registry.start_run(pipeline_run_id, {})
-    if state in SUCCEEDED_STATES:
+    last = finished(registry, run_id)
+    if last:
         registry.end_run(run_id, "FINISHED")
-        return "succeeded"
-    done = f"pipeline run {pipeline_run_id} ended {state}" + (f": {error}" if error else "")
+        return f"succeeded ({last}; the backend reported {state})"
+    done = (f"pipeline run {pipeline_run_id} ended before its last step finished (the backend reported {state})"
+            + (f": {error}" if error else ""))
     challenger = registry.by_alias(CHALLENGER)
-    if challenger is not None and pipeline_run_id in (challenger.tags.get("pipeline_run_id"),
-                                                      challenger.tags.get("rollout.pipeline_run_id")):
-        champion = registry.by_alias(CHAMPION)
-        try:
-            if target == "local" and triton_url:
-                serve_versions(triton_url, model_store or challenger.tags.get("model_store", ""),
-                               [champion.triton_version] if champion else [])
-            elif target == "kserve":
-                from cubeserve import rollout
+    store = model_store or (challenger.tags.get("model_store", "") if challenger is not None else "")
+    if challenger is not None and challenger.tags.get("rollout.pipeline_run_id") == pipeline_run_id:
+        lease = leases.read_lease(store) if store else None
+        if lease is not None and lease.owner != pipeline_run_id:
+            # Another run took the roll-out over (this run's lease expired): what is served is
+            # that run's to change now.
+            done += (f"; version {challenger.version} was this run's challenger, but the roll-out is no "
+                     f"longer this run's ({lease.describe() if lease.owner else 'released'}): serving left as it is")
+        else:
+            champion = registry.by_alias(CHAMPION)
+            try:
+                if target == "local" and triton_url:
+                    serve_versions(triton_url, store, [champion.triton_version] if champion else [])
+                elif target == "kserve":
+                    from cubeserve import rollout
 
-                target = rollout.Rollout(rollout.Cluster(namespace or None), isvc)
-                state_now = target.state()
-                if state_now.phase == rollout.CANARY and state_now.canary == str(challenger.triton_version):
-                    _kserve_rollback(target)
-            reverted = "champion serving"
-        except Exception as exc:  # noqa: BLE001 - reported, the alias is still cleared
-            reverted = f"could not restore the champion's serving: {exc}"
-        registry.delete_alias(CHALLENGER)
-        registry.set_tags(challenger.version, {"rollout.decision": "failed", "rollout.reason": done[:1000],
-                                               "rollout.finished": _now()})
-        done += f"; version {challenger.version} is no longer challenger ({reverted})"
+                    target = rollout.Rollout(rollout.Cluster(namespace or None), isvc)
+                    state_now = target.state()
+                    if state_now.phase == rollout.CANARY and state_now.canary == str(challenger.triton_version):
+                        _kserve_rollback(target, state_now.canary)
+                reverted = "champion serving"
+            except Exception as exc:  # noqa: BLE001 - reported, the alias is still cleared
+                reverted = f"could not restore the champion's serving: {exc}"
+            registry.delete_alias(CHALLENGER)
+            registry.set_tags(challenger.version, {"rollout.decision": "failed", "rollout.reason": done[:1000],
+                                                   "rollout.finished": _now()})
+            done += f"; version {challenger.version} is no longer challenger ({reverted})"
+    if store and leases.release(store, pipeline_run_id):
+        done += "; roll-out lease released"
     registry.end_run(run_id, "FAILED")
     return done

@@ -65,6 +65,31 @@ def checkpoint_digest(file_sha256: dict[str, str]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
+# The Secret that gives every step its object-store credentials, as environment variables
+# (kfp_pipelines.checkpoint_rollout mounts it, optional, so a pod never waits for it).
+S3_SECRET = "cube-serve-s3"
+S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
+
+
+def preflight(checkpoint: str, model_store: str) -> None:
+    """What a run needs from its namespace, checked by its first step before anything else: the
+    credentials of the Secret S3_SECRET when a URI is s3://, and a model store they can list.
+    Fails at once, naming the Secret and what it lacks (a pod that waited for a missing Secret
+    would hold the run until its deadline, and again for every retry)."""
+    import os
+
+    from cubeserve import storage
+
+    if any(uri.startswith("s3://") for uri in (checkpoint, model_store)):
+        missing = [k for k in storage.CREDENTIAL_VARIABLES if not os.environ.get(k)]
+        if missing:
+            raise storage.StorageError(
+                f"no S3 credentials: {', '.join(missing)} not set; create the Secret {S3_SECRET} in the run's "
+                f"namespace with the keys {', '.join(S3_SECRET_KEYS)} (README, 'Running the pipeline from the "
+                f"Kubeflow UI')")
+    storage.list_dirs(model_store)  # the endpoint answers, the credentials are good, the bucket exists
+
+
 def validate_checkpoint(checkpoint: str) -> dict:
     """Files, headers, version and a strict load (`cubeserve.checkpoint.load_models`); returns
     what the registry records.
@@ -252,13 +277,16 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
     """Upload the checkpoint as version N of the model store, in the layout KServe and the
     ServingRuntime read (`<model_store>/<N>/{cube3d,cube3d_stream}/...`, Triton model version N).
 
-    N is the next number past every version in the store and `min_version - 1`. A checkpoint
+    N is the next number past every version in the store and `min_version - 1` that no other
+    run has claimed (leases.claim_version: a conditional create, so two runs started together get
+    two numbers on a store that honours conditional writes). A checkpoint
     that is in the store already (same digest and instance kind: a retried step or a resumed
     run) returns its version instead of uploading it again. The weights are checked against the
     validated digests before anything is uploaded."""
     import tempfile
 
     from cubeserve import storage
+    from cubeserve.pipeline.leases import claim_version
     from cubeserve.serving.repository import INSTANCE_KINDS, build_version_repository
 
     if instance_kind not in INSTANCE_KINDS:  # before anything is downloaded
@@ -269,7 +297,8 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
         if manifest.get("sha256") == validation["sha256"] and manifest.get("instance_kind") == instance_kind:
             return version
     numbered = [int(n) for n in storage.list_dirs(model_store) if n.isdigit()]  # incomplete ones too
-    version = max([min_version - 1, *numbered]) + 1
+    version = claim_version(model_store, max([min_version - 1, *numbered]) + 1,
+                            {"sha256": validation["sha256"], "instance_kind": instance_kind})
     with tempfile.TemporaryDirectory() as tmp:
         repo = build_version_repository(fetch_checkpoint(checkpoint), version, Path(tmp) / "repo", instance_kind)
         weights = repo / STREAM_MODEL / str(version) / "weights"
@@ -300,9 +329,11 @@ def _integral(obj):
 def register(registry_uri: str, model_name: str, model_store: str, triton_version: int, validation: dict,
              metrics: dict, source_uri: str, pipeline_run_id: str, mlflow_run_id: str) -> str:
     """A registry version for packaged version N, created in the pipeline run's MLflow run with the
-    object-store URI of version N as its source, tagged, aliased `challenger`. A checkpoint
-    registered already (same sha256) returns its version instead (a retried step)."""
-    from cubeserve.registry import CHALLENGER, open_registry
+    object-store URI of version N as its source, tagged. A checkpoint registered already (same
+    sha256) returns its version instead (a retried step). The alias `challenger` is set by the
+    roll-out, under its lease (cubeserve.pipeline.leases), not here: runs register at any time.
+    """
+    from cubeserve.registry import open_registry
 
     registry = open_registry(registry_uri, model_name)
     validation = _integral(validation)
@@ -326,7 +357,6 @@ def register(registry_uri: str, model_name: str, model_store: str, triton_versio
             "model_store": model_store,
             "triton_version": str(triton_version),
         })
-    registry.set_alias(CHALLENGER, version.version)
     return version.version
 
 
@@ -335,6 +365,23 @@ def register(registry_uri: str, model_name: str, model_store: str, triton_versio
 NEW, RESUME, DONE = "new", "resume", "done"
 # Roll-out decisions that end a version's roll-out; anything else (none yet, "failed") is resumed.
 FINAL_DECISIONS = ("promoted", "rolled_back", "unchanged")
+
+
+# The run tag a run's last step sets when it has done its work: `validate` for a checkpoint whose
+# roll-out was decided before (DONE), the roll-out once its decision is recorded. The exit
+# handler judges the run by it, not by the state the KFP backend hands it, which is RUNNING for
+# runs that succeeded on backends before 2.17 (kfp_pipelines/pod_runner.py says why).
+FINISHED_TAG = "cubeserve.finished"
+
+
+def mark_finished(registry, pipeline_run_id: str, step: str, outcome: str) -> None:
+    """Record on the pipeline run's MLflow run that its last step, `step`, did its work."""
+    registry.tag_run(registry.start_run(pipeline_run_id), {FINISHED_TAG: f"{step}: {outcome}"[:1000]})
+
+
+def finished(registry, run_id: str) -> str:
+    """What the run's last step recorded (mark_finished), "" when nothing did."""
+    return registry.get_run(run_id).tags.get(FINISHED_TAG, "")
 
 
 def plan_run(registry, sha256: str) -> tuple[str, str, str]:
