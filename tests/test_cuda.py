@@ -1,9 +1,37 @@
-"""CUDA-only behaviour: captured decode graphs produce the eager path's tokens. Skipped, with
-the reason, where no CUDA device is present (the GPU script runs them)."""
+"""CUDA-only behaviour: captured decode graphs produce the eager path's tokens, a runner steps on
+its own device from any thread, bfloat16 serving, Warp's marching cubes on the device, and the
+engine model as a Triton KIND_GPU instance. Skipped, with the reason, where no CUDA device is
+present; bench/gpu_check.sh runs them on the GPU machine.
+
+What only a GPU proves. tests/test_runner_device.py holds the runner to torch.cuda's semantics
+with a stand-in (tests/fake_cuda.py): capture runs nothing and a replay re-runs the captured
+operations on the captured tensors (a buffer rebound after capture is stale), streams are ordered
+only by wait_stream or the host waiting (else a race is raised), events are done when the device
+has done the work and time it, a host synchronisation while capturing is refused. It records
+aten operations on the CPU, in order, on one thread, so these are left to this module:
+- real capture: that what a replay runs is what the eager step computes on the device: kernels
+  that allocate, initialise lazily or pick a workspace during capture, graph-unsafe operations
+  the stand-in does not know of (a copy between host and device inside a step, RNG offsets);
+- memory pools: graphs sharing one pool (largest captured first) overwrite neither each other's
+  memory nor the runner's live buffers, and replays allocate nothing;
+- numerics: cuBLAS and bfloat16 rounding, rounding that changes with the batch shape, and the
+  attention kernels really chosen under the pinned backends (cuDNN left out);
+- stream concurrency: a device that really runs behind the host, overlap with other streams,
+  event timings of real kernels, and a runner stepped from another thread (the stand-in's
+  dispatch modes see one thread's operations);
+- devices: cuda:1 is a label to the stand-in; here a runner binds to a real device;
+- Warp's marching cubes on a CUDA grid (where the machine has NVIDIA Warp);
+- the engine model as a Triton KIND_GPU instance: Triton gives the python backend its GPU, the
+  stub's torch has CUDA, the engine decodes there with its graphs (where the machine has
+  Triton, the nvidia-pytriton wheel)."""
+
+import json
+import urllib.request
 
 import pytest
 import torch
 
+from cubeserve.config import TINY
 from cubeserve.engine import Engine
 from cubeserve.engine import GenerationRequest as Req
 from cubeserve.engine.scheduler import Scheduler
@@ -97,3 +125,45 @@ def test_warp_marching_cubes_on_the_gpu_gives_the_cpu_mesh():
     assert len(gpu.faces) == len(cpu.faces) > 0
     key = lambda v: v[np.lexsort(np.round(v, 5).T[::-1])]  # noqa: E731
     np.testing.assert_allclose(key(gpu.vertices), key(cpu.vertices), rtol=0, atol=3e-5)
+
+
+def serve_one(weights, tmp_path, instance_kind: str, request: Req) -> tuple[dict, str]:
+    """One request to the predict model `cube3d` of a one-version repository built as a pod's
+    (cubeserve.serving.repository, `instance_kind` "gpu": the engine model a KIND_GPU instance
+    on GPU 0), served by a local Triton: the outputs by name, and the server's log."""
+    from cubeserve.serving.local_triton import LocalTriton, free_port, tritonserver_home
+    from cubeserve.serving.repository import build_version_repository
+
+    try:
+        tritonserver_home()
+    except RuntimeError as exc:
+        pytest.skip(f"no Triton on this machine: {exc}")
+    repo = build_version_repository(weights, 1, tmp_path / "repo", instance_kind=instance_kind)
+    triton = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "tritonserver.log")
+    body = {"inputs": [{"name": "PROMPT", "shape": [1], "datatype": "BYTES", "data": [request.prompt]},
+                       {"name": "RESOLUTION", "shape": [1], "datatype": "INT32", "data": [request.resolution]},
+                       {"name": "FORMAT", "shape": [1], "datatype": "BYTES", "data": ["obj"]}],
+            "outputs": [{"name": "SHAPE_TOKENS"}, {"name": "NUM_FACES"}, {"name": "MODEL_VERSION"}]}
+    try:
+        triton.start(timeout=80)
+        call = urllib.request.Request(f"http://{triton.http_url}/v2/models/cube3d/versions/1/infer",
+                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(call, timeout=60).read())
+    finally:
+        triton.stop()
+    return {o["name"]: o["data"] for o in reply["outputs"]}, triton.log_path.read_text(errors="replace")
+
+
+def test_the_engine_model_as_a_triton_kind_gpu_instance_decodes_on_its_gpu(tiny_weights, tmp_path,
+                                                                            float32_shortfall):
+    """The repository a GPU pod serves: Triton gives the engine model's KIND_GPU instance GPU 0,
+    the engine decodes there in bfloat16 (with its graphs: cuda_graphs auto), and every token is
+    float32's best choice given those before it."""
+    request = Req("a red chair", resolution=4)
+    outputs, log = serve_one(tiny_weights, tmp_path, "gpu", request)
+    assert "kind: KIND_GPU" in (tmp_path / "repo" / "cube3d_stream" / "config.pbtxt").read_text()
+    assert "cube3d engine ready" in log and " on cuda:0 (bfloat16)" in log, log[-3000:]
+    tokens = outputs["SHAPE_TOKENS"]
+    assert outputs["MODEL_VERSION"] == ["1"] and outputs["NUM_FACES"][0] > 0
+    assert len(tokens) == TINY.num_tokens
+    assert float32_shortfall(request, tokens) < float32_shortfall.bfloat16_bound
