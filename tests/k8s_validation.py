@@ -434,3 +434,31 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
         instructions.append((keyword.upper(), rest.strip()))
         pending = ""
     return instructions
+
+
+def rbac_allows(rules: list[dict], group: str, resource: str, verb: str, name: str = "") -> bool:
+    """Kubernetes RBAC's rule match (k8s.io/apiserver plugin/pkg/authorizer/rbac, RuleAllows):
+    group, resource and verb each listed or "*", resourceNames empty or naming the object (a
+    list or create, which names none, matches only rules without resourceNames)."""
+    def has(values, value):
+        return "*" in values or value in values
+
+    return any(has(r.get("apiGroups", []), group) and has(r.get("resources", []), resource)
+               and has(r.get("verbs", []), verb) and (not r.get("resourceNames") or (name and name in r["resourceNames"]))
+               for r in rules)
+
+
+def request_attributes(method: str, path: str) -> tuple[str, str, str, str, str]:
+    """(group, resource, verb, name, namespace) of a Kubernetes API request, as the API server's
+    RequestInfoFactory reads them from the URL (k8s.io/apiserver pkg/endpoints/request/requestinfo.go):
+    /api/v1/... is the core group, /apis/GROUP/VERSION/...; "namespaces/NS/" scopes it; a GET
+    with a name is get, without one list; PATCH is patch."""
+    parts = [p for p in path.split("/") if p]
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    namespace = ""
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) > 2:
+        namespace, rest = rest[1], rest[2:]
+    resource, name = rest[0], (rest[1] if len(rest) > 1 else "")
+    verb = {"GET": "get" if name else "list", "PATCH": "patch", "POST": "create", "PUT": "update",
+            "DELETE": "delete"}[method]
+    return group, resource, verb, name, namespace

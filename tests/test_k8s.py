@@ -17,7 +17,7 @@ from guards import cannot_run
 from cubeserve.rollout import VersionRegistry
 from k8s_validation import (GATEWAY_API_RELEASES, GATEWAY_API_TOO_OLD, KUBERNETES_VERSION, MIN_KSERVE, OVERLAYS, REPO,
                             SUPPORTED_KSERVE, crd_errors, dockerfile_instructions, find, gateway_api_errors,
-                            kserve_version, releases_before, render, require_crds, require_releases,
+                            kserve_version, rbac_allows, releases_before, render, require_crds, require_releases,
                             supported_releases, validate)
 
 GPU = "nvidia.com/gpu"
@@ -621,17 +621,6 @@ def test_the_mlflow_registry_manifest_is_valid():
         assert validate(obj) == [], (obj["kind"], validate(obj))
 
 
-def _allows(rules: list[dict], group: str, resource: str, verb: str, name: str = "") -> bool:
-    """Kubernetes RBAC's rule match (k8s.io/apiserver authorizer/rbac: RuleAllows): group,
-    resource and verb each listed or "*", resourceNames empty or naming the object."""
-    def has(values, value):
-        return "*" in values or value in values
-
-    return any(has(r.get("apiGroups", []), group) and has(r.get("resources", []), resource)
-               and has(r.get("verbs", []), verb) and (not r.get("resourceNames") or name in r["resourceNames"])
-               for r in rules)
-
-
 # What every pod of a KFP v2 run does with its service account's token, from kubeflow/pipelines'
 # source at tags 2.14.0 and 2.17.0 (same calls in both):
 KFP_RUN_CALLS = [
@@ -683,9 +672,9 @@ def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
     run_rules = roles["cube-serve-pipeline-run"]["rules"]
     for call in KFP_RUN_CALLS:
-        assert _allows(run_rules, *call), call
+        assert rbac_allows(run_rules, *call), call
     # ... and nothing beyond those calls: no other Secret, no write to pods or ConfigMaps.
     for extra in [("", "secrets", "get", "cube-serve-s3"), ("", "secrets", "list", ""),
                   ("", "configmaps", "get", "other"), ("", "pods", "delete", "p"), ("", "pods", "list", ""),
                   ("argoproj.io", "workflows", "get", "w")]:
-        assert not _allows(run_rules, *extra), extra
+        assert not rbac_allows(run_rules, *extra), extra

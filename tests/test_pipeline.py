@@ -239,22 +239,65 @@ def test_a_candidate_that_fails_the_analysis_is_rolled_back_automatically(cluste
 
 
 # -- the KServe target, against the cluster stand-in of tests/test_rollout.py -------------------------
+# Serverless (the canary overlay), where KServe splits traffic between revisions: a raw canary
+# gets no traffic from KServe v0.20 (README), so no analysis window would see it. The stand-in
+# API server refuses (403) what the pipeline's Role (k8s/pipeline) does not allow, as RBAC does.
+
+# Reads the roll-out's preflight makes and can do without (README, "Permissions": it says so
+# and relies on strict field validation): the cluster-scoped CRD, KServe's own ConfigMap.
+OPTIONAL_READS = {("apiextensions.k8s.io", "customresourcedefinitions", "get", "inferenceservices.serving.kserve.io"),
+                  ("", "configmaps", "get", "inferenceservice-config")}
+
+
+def pipeline_role_rules() -> list[dict]:
+    from k8s_validation import _rendered
+
+    objects = [o for o in __import__("yaml").safe_load_all(_rendered(str(REPO / "k8s" / "pipeline"))) if o]
+    return next(o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "cube-serve-rollout")["rules"]
+
+
+def candidate_version(cluster):
+    """A registered version other than the champion: the newest of the module's earlier runs, or,
+    when this test runs alone, one registered here as `register` would (the stand-in cluster
+    never reads the store)."""
+    reg = registry(cluster)
+    champion = reg.by_alias(CHAMPION)
+    found = next((v for v in reversed(reg.versions()) if v.version != champion.version), None)
+    if found is None:
+        n = max(v.triton_version for v in reg.versions()) + 1
+        found = reg.create(f"{MODEL_STORE}/{n}/", {"sha256": f"{n:064d}", "triton_version": str(n),
+                                                   "model_store": MODEL_STORE})
+    return found
+
+
+def assert_only_what_the_role_allows(stub, every_rule: bool = False):
+    """Every request the steps made was allowed by the Role, but the preflight's optional reads;
+    with every_rule, each rule of the Role was needed by some request."""
+    from k8s_validation import rbac_allows
+
+    refused = {attrs[:4] for attrs, allowed in stub.authorized if not allowed}
+    assert refused <= OPTIONAL_READS, refused
+    if every_rule:
+        used = [attrs for attrs, allowed in stub.authorized if allowed]
+        for rule in stub.rules:
+            assert any(rbac_allows([rule], *attrs[:4]) for attrs in used), f"an unused permission: {rule}"
+
 
 def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_becomes_ready(
         cluster, first_run, tmp_path, monkeypatch):
     from test_rollout import ISVC_PATH, VERSIONS_PATH, StubApiServer, World, overlay_isvc
 
     isvc_path, cm_path = ISVC_PATH, VERSIONS_PATH
-    isvc = overlay_isvc("raw")
+    isvc = overlay_isvc("canary")
     isvc["spec"]["predictor"]["model"]["storageUri"] = f"{MODEL_STORE}/1/"
-    # The API server and KServe's controller as tests/kserve_standin.py models them (v0.20.0, with
-    # the Gateway API); the canary's pods never become ready here.
-    stub = StubApiServer(World(isvc=isvc))
+    # The API server and KServe's controller as tests/kserve_standin.py models them (v0.20.0);
+    # the canary's revision never becomes ready here.
+    stub = StubApiServer(World(isvc=isvc), rules=pipeline_role_rules())
     stub.objects[cm_path]["data"] = {"baseUri": MODEL_STORE, "versions": "1"}
     try:
         monkeypatch.setenv("KUBECONFIG", str(stub.kubeconfig(tmp_path / "kubeconfig")))
         reg = registry(cluster)
-        candidate = reg.versions()[-1]
+        candidate = candidate_version(cluster)
         # The package step lists the version where `cubeserve rollout` reads versions.
         assert serving.record_version("models", candidate.triton_version, MODEL_STORE).startswith("versions: 1 ")
         assert stub.objects[cm_path]["data"]["versions"] == f"1 {candidate.triton_version}"
@@ -267,11 +310,13 @@ def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_be
                                   namespace="models", isvc="cube3d")
         assert result["decision"] == "rolled_back" and "not ready" in result["reason"]
         patches = stub.patches(isvc_path)
-        assert patches[0]["spec"]["canary"][0]["predictor"]["model"]["storageUri"] == \
-            f"{MODEL_STORE}/{candidate.triton_version}/"
-        assert "canary" not in stub.world.isvc["spec"]  # rolled back: the canary is gone
-        assert stub.world.kserve.deleted == [f"cube3d-v{candidate.triton_version}-predictor"]
+        assert patches[0]["spec"]["predictor"]["model"]["storageUri"] == f"{MODEL_STORE}/{candidate.triton_version}/"
+        assert patches[0]["spec"]["predictor"]["canaryTrafficPercent"] == 10
+        # Rolled back: all traffic to the previous revision, the spec back on version 1.
+        predictor = stub.world.isvc["spec"]["predictor"]
+        assert predictor["canaryTrafficPercent"] == 0 and predictor["model"]["storageUri"] == f"{MODEL_STORE}/1/"
         assert reg.by_alias(CHAMPION).version == champion and reg.by_alias(CHALLENGER) is None
+        assert_only_what_the_role_allows(stub, every_rule=True)
     finally:
         stub.close()
 
@@ -291,10 +336,10 @@ def test_kserve_target_rolls_back_a_ready_canary_that_fails_the_analysis(cluster
 
     reg = registry(cluster)
     champion = reg.by_alias(CHAMPION)
-    candidate = next(v for v in reversed(reg.versions()) if v.version != champion.version)
-    isvc = overlay_isvc("raw")
+    candidate = candidate_version(cluster)
+    isvc = overlay_isvc("canary")
     isvc["spec"]["predictor"]["model"]["storageUri"] = f"{MODEL_STORE}/{champion.triton_version}/"
-    stub = StubApiServer(World(isvc=isvc))
+    stub = StubApiServer(World(isvc=isvc), rules=pipeline_role_rules())
     stub.objects[VERSIONS_PATH]["data"] = {"baseUri": MODEL_STORE,
                                            "versions": f"{champion.triton_version} {candidate.triton_version}"}
     exporter = SyntheticServer()
@@ -322,9 +367,11 @@ def test_kserve_target_rolls_back_a_ready_canary_that_fails_the_analysis(cluster
                                             f"1 of 1 failed: fail: ") and "error rate 0.3" in outcome["reason"]
         (window,) = outcome["analysis"]
         assert window["baseline"]["version"] == str(champion.triton_version) and window["baseline"]["error_rate"] == 0
-        assert "canary" not in stub.world.isvc["spec"]  # rolled back: the canary is gone
-        assert stub.world.isvc["spec"]["predictor"]["model"]["storageUri"] == \
-            f"{MODEL_STORE}/{champion.triton_version}/"
+        # Rolled back: all traffic to the previous revision, the spec back on the champion.
+        predictor = stub.world.isvc["spec"]["predictor"]
+        assert predictor["canaryTrafficPercent"] == 0
+        assert predictor["model"]["storageUri"] == f"{MODEL_STORE}/{champion.triton_version}/"
+        assert_only_what_the_role_allows(stub)
         assert json.loads(reg.get(candidate.version).tags["rollout.analysis"])[0]["result"] == "fail"
         assert reg.by_alias(CHAMPION).version == champion.version and reg.by_alias(CHALLENGER) is None
     finally:

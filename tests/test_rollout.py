@@ -20,7 +20,8 @@ import yaml
 from cubeserve import rollout as r
 from cubeserve.rollout import cli, plans
 from cubeserve.rollout.preflight import ClusterFacts, check
-from k8s_validation import GATEWAY_API_RELEASES, crd_errors, find, gateway_api_errors, kserve_crd, render, require_crds, require_releases, supported_releases, validate
+from k8s_validation import (GATEWAY_API_RELEASES, crd_errors, find, gateway_api_errors, kserve_crd, rbac_allows, render,
+                            request_attributes, require_crds, require_releases, supported_releases, validate)
 from kserve_standin import ApiError, KServeController, ObjectStore
 
 BASE = "s3://replace-me-model-bucket/cube3d"
@@ -821,15 +822,22 @@ class StubApiServer:
     KServe reconciling after each patch; `fieldValidation=Strict` checked against the CRD of
     `release`, unknown fields otherwise pruned, as the API server does), ConfigMaps (merge patch
     with a resourceVersion precondition), Knative revisions, the CRD, the ServingRuntime and
-    KServe's inferenceservice-config."""
+    KServe's inferenceservice-config.
 
-    def __init__(self, world: World, objects: dict | None = None, release: str = "v0.20.0", gateway_api: bool = True):
+    `rules`: a Role's rules (the caller's service account, bound in namespace "models"): every
+    request they do not allow is refused 403 Forbidden, as the API server's RBAC authorizer does
+    (k8s_validation.rbac_allows, request_attributes); `authorized` records each request's
+    attributes and the answer."""
+
+    def __init__(self, world: World, objects: dict | None = None, release: str = "v0.20.0", gateway_api: bool = True,
+                 rules: list[dict] | None = None):
         import http.server
         import threading
 
         from kserve_standin import json_merge_patch
 
         self.world, self.requests = world, []
+        self.rules, self.authorized = rules, []
         crd = copy.deepcopy(kserve_crd(release, "serving.kserve.io_inferenceservices.yaml"))
         runtime = find(render("raw"), "ServingRuntime")
         self.objects = {
@@ -859,9 +867,25 @@ class StubApiServer:
                 self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
                                   "reason": reason, "message": message})
 
+            def _forbidden(self, method, path) -> bool:
+                if stub.rules is None:
+                    return False
+                group, resource, verb, name, namespace = request_attributes(method, path)
+                allowed = namespace == "models" and rbac_allows(stub.rules, group, resource, verb, name)
+                stub.authorized.append(((group, resource, verb, name, namespace), allowed))
+                if not allowed:
+                    kind = f"{resource}.{group}" if group else resource
+                    self._error(403, "Forbidden", f'{kind} "{name}" is forbidden: User '
+                                '"system:serviceaccount:models:cube-serve-pipeline" cannot '
+                                f'{verb} resource "{resource}" in API group "{group}"'
+                                + (f' in the namespace "{namespace}"' if namespace else " at the cluster scope"))
+                return not allowed
+
             def do_GET(self):
                 url = urlparse(self.path)
                 stub.requests.append(("GET", url.path, None, None, parse_qs(url.query)))
+                if self._forbidden("GET", url.path):
+                    return
                 if url.path == ISVC_PATH:
                     return self._send(200, stub.world.isvc)
                 if "/revisions/" in url.path:
@@ -875,6 +899,8 @@ class StubApiServer:
                 query = parse_qs(url.query)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 stub.requests.append(("PATCH", url.path, self.headers["Content-Type"], body, query))
+                if self._forbidden("PATCH", url.path):
+                    return
                 manager = query.get("fieldManager", ["unknown"])[0]
                 if url.path == ISVC_PATH:
                     after = json_merge_patch(stub.world.isvc, body)
