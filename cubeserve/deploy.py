@@ -66,6 +66,10 @@ GRPC_ADMIN_METADATA = "triton-grpc-protocol-" + ADMIN_HEADER
 # ADMIN_KEY_ENV); where it is unset the supervisor locks the APIs with a random key nobody holds.
 ADMIN_KEY_ENV = "CUBE3D_ADMIN_KEY"
 ADMIN_SECRET = "cube-serve-admin"
+# The predictor pods' service account (k8s/base/runtime/serviceaccount.yaml) and the Secret it
+# lists, whose S3 credentials KServe's storage initializer uses.
+PREDICTOR_SERVICE_ACCOUNT = "cube-serve-predictor"
+STORAGE_SECRET = "cube-serve-s3"
 # Characters Triton's flag parser takes in a value (no ':', ',' or '='), and a length worth guessing.
 ADMIN_KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{32,512}")
 # Request bodies the front end reads: an inference request is a prompt and a few numbers (the

@@ -96,11 +96,12 @@ def overlay(request):
 def test_every_overlay_renders_to_valid_objects(overlay):
     name, objects = overlay
     kinds = sorted(o["kind"] for o in objects)
-    expected = {"canary": ["ConfigMap", "InferenceService", "ServingRuntime"],
-                "raw": ["ConfigMap", "InferenceService", "ServingRuntime"],
-                "cpu": ["ConfigMap", "InferenceService", "ServingRuntime"],
-                "ab": ["ConfigMap", "HTTPRoute", "InferenceService", "InferenceService", "ServingRuntime"],
-                "experiment": ["ConfigMap", "InferenceService", "ServingRuntime"]}
+    expected = {"canary": ["ConfigMap", "InferenceService", "ServiceAccount", "ServingRuntime"],
+                "raw": ["ConfigMap", "InferenceService", "ServiceAccount", "ServingRuntime"],
+                "cpu": ["ConfigMap", "InferenceService", "ServiceAccount", "ServingRuntime"],
+                "ab": ["ConfigMap", "HTTPRoute", "InferenceService", "InferenceService", "ServiceAccount",
+                       "ServingRuntime"],
+                "experiment": ["ConfigMap", "InferenceService", "ServiceAccount", "ServingRuntime"]}
     assert kinds == expected[name]
     for obj in objects:
         assert validate(obj) == [], f"{name}: {obj['kind']} {obj['metadata']['name']}"
@@ -603,6 +604,23 @@ def test_overlays_carry_no_rollout_owned_fields(overlay):
         assert {"canaryTrafficPercent", "name"}.isdisjoint(isvc["spec"]["predictor"])
         assert "cube-serve.io/stable-version" not in isvc["metadata"].get("annotations", {})
         assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] in ("Serverless", "RawDeployment")
+
+
+def test_every_predictor_runs_as_the_account_that_lists_the_storage_secret(overlay):
+    """KServe's storage initializer gets credentials only from the Secrets listed on the pod's
+    service account, `default` when the InferenceService names none (pkg/credentials/
+    service_account_credentials.go, CreateSecretVolumeAndEnv and
+    CreateSecretVolumeAndEnvFromServiceAccount's loop over serviceAccount.Secrets; the same at
+    v0.14.0 to v0.20.0): every InferenceService of every overlay names the account the overlay
+    ships, and that account lists the Secret."""
+    _, objects = overlay
+    accounts = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceAccount"}
+    account = accounts[deploy.PREDICTOR_SERVICE_ACCOUNT]
+    assert {"name": deploy.STORAGE_SECRET} in account["secrets"]
+    assert account["automountServiceAccountToken"] is False  # the server never calls the API
+    for isvc in isvcs(objects):
+        assert isvc["spec"]["predictor"]["serviceAccountName"] == deploy.PREDICTOR_SERVICE_ACCOUNT, \
+            isvc["metadata"]["name"]
 
 
 def test_base_is_the_gpu_deployment_without_a_mode():

@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from cubeserve import deploy
 from cubeserve.checkpoint import CheckpointError, load_models, sha256_file, version_style
 from cubeserve.config import to_yaml_dict
 from cubeserve.deploy import STREAM_MODEL
@@ -66,8 +67,9 @@ def checkpoint_digest(file_sha256: dict[str, str]) -> str:
 
 
 # The Secret that gives every step its object-store credentials, as environment variables
-# (kfp_pipelines.checkpoint_rollout mounts it, optional, so a pod never waits for it).
-S3_SECRET = "cube-serve-s3"
+# (kfp_pipelines.checkpoint_rollout mounts it, optional, so a pod never waits for it); the
+# predictor's storage initializer reads the same one.
+S3_SECRET = deploy.STORAGE_SECRET
 S3_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION")
 
 
