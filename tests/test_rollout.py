@@ -249,6 +249,30 @@ def test_applying_the_overlay_client_side_after_a_promote_is_reported_as_drift(m
     assert code == cli.DRIFT and "DRIFT: spec.predictor.model.storageUri was changed by kubectl-client-side-apply" in out
 
 
+def test_applying_the_overlay_client_side_during_a_canary_is_reported_as_drift(monkeypatch):
+    """The overlay re-applied client-side while a canary of version 2 runs writes version 1's
+    storageUri back (the overlay never sets canaryTrafficPercent, so the share stays): KServe
+    now splits 10 % between two revisions of version 1. Reported as drift in this phase too, so
+    that promote refuses instead of answering "nothing to promote"."""
+    world = World("canary")
+    world.do("canary", "2", 10)
+    world.kserve.start_pods()
+    world.store.update({"spec": {"predictor": {"model": {"storageUri": f"{BASE}/1/"}}}}, "kubectl-client-side-apply")
+    world.kserve.reconcile()
+    world.kserve.start_pods()
+    state = world.state()
+    assert len(state.drift) == 1 and "changed by kubectl-client-side-apply while cubeserve rollout's canary share " \
+        "(10%) was set" in state.drift[0], state
+    for action in ("promote", "canary"):
+        with pytest.raises(r.RolloutError, match="kubectl-client-side-apply"):
+            world.plan(action, *(("3", 10) if action == "canary" else ()))
+    code, out = run(FakeCluster(world), monkeypatch, "status")
+    assert code == cli.DRIFT and "DRIFT: spec.predictor.model.storageUri was changed by kubectl-client-side-apply" in out
+    # A rollback is still allowed: it writes storageUri and the share again (ours once more).
+    world.do("rollback", force=True)
+    assert world.state().drift == ()
+
+
 # -- RawDeployment: spec.canary[] (KServe v0.20) ---------------------------------------------------------
 
 def test_raw_canary_and_promote_without_a_restart():

@@ -180,13 +180,13 @@ def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[st
     """Give the canary all the traffic and make it the stable version (only if it is version
     `canary`, when given)."""
     state = rollout_state(isvc, registry, revisions, mode)
+    _refuse_drift(state)  # first: "nothing to promote" would hide a canary written over
     _require_canary(state, canary, "promote")
     if state.phase in (STABLE, UPDATING):
         return Plan(f"{state.name}: no canary in progress ({state.summary()}): nothing to promote")
     if state.phase == ROLLING_BACK:
         raise RolloutError(f"{state.name}: a rollback to version {state.stable} is in progress: "
                            "finish it with `cubeserve rollout rollback`")
-    _refuse_drift(state)
     _require_ready(state, force, "promote")
     return _plan(isvc, f"promote version {state.canary} to stable (was version {state.stable})",
                  STRATEGIES[state.mode].promote(isvc, state))
@@ -198,6 +198,12 @@ def plan_rollback(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[s
     version `canary`, when given)."""
     state = rollout_state(isvc, registry, revisions, mode)
     _require_canary(state, canary, "roll back")
+    share = get(isvc, "spec", "predictor", "canaryTrafficPercent")
+    if state.phase in (STABLE, UPDATING) and state.drift and state.mode == SERVERLESS and share is not None:
+        # The canary's storageUri was written over (state.py): drop the share, back on the
+        # rolled-out version, so that nothing splits traffic nobody rolls out.
+        return _plan(isvc, f"drop the canary share ({share}%): all traffic to version {state.stable}",
+                     {"spec": {"predictor": {"canaryTrafficPercent": None, "model": {"storageUri": state.stable_uri}}}})
     if state.phase in (STABLE, UPDATING):
         return Plan(f"{state.name}: no canary in progress ({state.summary()}): nothing to roll back")
     summary, patch = STRATEGIES[state.mode].rollback(isvc, state, force)

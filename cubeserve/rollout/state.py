@@ -41,6 +41,7 @@ _MODES = {"serverless": SERVERLESS, "knative": SERVERLESS, "rawdeployment": RAW,
 STABLE, CANARY, ROLLING_BACK, UPDATING = "stable", "canary", "rolling-back", "updating"
 
 STORAGE_URI = ("spec", "predictor", "model", "storageUri")
+CANARY_PERCENT = ("spec", "predictor", "canaryTrafficPercent")
 
 
 def get(obj: Mapping | None, *path: str, default: Any = None) -> Any:
@@ -187,6 +188,17 @@ def _serverless_state(isvc: Mapping, registry: VersionRegistry, revisions: Mappi
                      f"once its revision is ready (KServe now serves {'version ' + stable if stable else 'nothing rolled out'})",)
         return RolloutState(name, SERVERLESS, UPDATING, stable, version or uri, stable_uri=stable_uri,
                             canary_uri=uri, drift=drift, **common)
+    # Every write of `cubeserve rollout` that sets a canary share also writes storageUri (start,
+    # rollback); so while its share is set, a storageUri another client owns was written over its
+    # canary (e.g. the overlay applied again client-side): whatever the phase says, that is drift.
+    drift = ()
+    if FIELD_MANAGER in writers(isvc, CANARY_PERCENT) and FIELD_MANAGER not in writers(isvc, STORAGE_URI):
+        who = ", ".join(writers(isvc, STORAGE_URI)) or "another client"
+        drift = (f"spec.predictor.model.storageUri was changed by {who} while cubeserve rollout's canary share "
+                 f"({percent}%) was set: the spec now asks for {'version ' + version if version else uri} "
+                 f"(rolled out: {'version ' + stable if stable else 'nothing'}); put it back with `cubeserve "
+                 "rollout canary` or `rollback --force`",)
+    common["drift"] = drift
     if stable is None and stable_revision is None:
         # Nothing rolled out yet (a new InferenceService): its first revision takes everything.
         return RolloutState(name, SERVERLESS, UPDATING, None, version or uri, canary_uri=uri, **common)
