@@ -325,6 +325,21 @@ def test_raw_share_and_rollback():
     assert world.state().phase == "stable" and not world.plan("rollback").changed
 
 
+def test_raw_status_shows_the_canary_gets_no_traffic(monkeypatch):
+    """KServe v0.20.0 copies trafficPercent into canaryStatuses but routes nothing to a raw
+    canary (tests/kserve_standin.py, predictor.go canaryReplicaCount): status says so instead of
+    printing a 90/10 split nobody routes."""
+    world = World("raw")
+    world.do("canary", "2", 10)
+    assert world.isvc["status"]["canaryStatuses"][0]["trafficPercent"] == 10  # what KServe writes
+    state = world.state()
+    assert [(t.target, t.percent, t.version) for t in state.traffic] == [("predictor", 100, "1"), ("v2", 0, "2")]
+    code, out = run(FakeCluster(world), monkeypatch, "status")
+    assert "traffic 100%  predictor  version 1" in out
+    assert "traffic   0%  v2  version 2  dark launch, no traffic (trafficPercent 10 sizes its replicas only)" in out
+    assert "90%" not in out
+
+
 def test_raw_overlay_applied_client_side_after_a_promote_is_drift():
     world = World("raw")
     world.do("canary", "2", 0)

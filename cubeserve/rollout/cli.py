@@ -48,7 +48,8 @@ def _status(rollout: Rollout, args, out) -> int:
         print(f"  ready: {ready}", file=out)
     for route in state.traffic:
         served = f"version {route.version}" if route.version else (route.uri or "unknown version")
-        print(f"  traffic {route.percent:>3}%  {route.target}  {served}  {route.tag or ''}".rstrip(), file=out)
+        parts = [f"traffic {route.percent:>3}%", route.target, served, route.tag, route.note]
+        print("  " + "  ".join(p for p in parts if p), file=out)
     for line in state.drift:
         print(f"  DRIFT: {line}", file=out)
     print(f"  registry {args.versions_configmap}: {registry.base_uri}/<version>/, versions "

@@ -106,6 +106,7 @@ class Route:
     version: str | None  # the checkpoint version it serves (None: not a registry version / unknown)
     uri: str | None = None
     tag: str | None = None
+    note: str | None = None  # what the share means where it is not a traffic split
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,9 @@ class RolloutState:
         if self.phase == UPDATING:
             target = f"version {self.canary}" if self.canary else (self.storage_uri or "no storageUri")
             return f"updating: {target} takes all the traffic once ready (now: {stable})"
+        if self.mode == RAW:  # KServe v0.20 routes nothing to it (see _raw_state)
+            return (f"canary of version {self.canary}: dark launch, no traffic (trafficPercent {self.percent} "
+                    f"sizes its replicas) (stable: {stable})")
         return f"canary of version {self.canary} at {self.percent}% (stable: {stable})"
 
 
@@ -240,9 +244,13 @@ def _raw_state(isvc: Mapping, registry: VersionRegistry) -> RolloutState:
     reported = statuses.get(get(entry, "predictor", "name"))
     ready = bool(reported.get("ready")) if reported else None
     traffic = ()
-    if reported:  # as KServe reports it (see README: which releases route it)
+    if reported:
+        # KServe v0.20.0 copies the spec's trafficPercent into canaryStatuses but routes nothing
+        # to a raw canary: the share only sizes its replicas (components/predictor.go
+        # canaryReplicaCount; its Ingress and HTTPRoute name the stable predictor alone).
         share = int(reported.get("trafficPercent") or 0)
-        traffic = (Route(stable_predictor or "predictor", 100 - share, version, uri),
-                   Route(get(entry, "predictor", "name"), share, registry.version_of(canary_uri), canary_uri))
+        traffic = (Route(stable_predictor or "predictor", 100, version, uri),
+                   Route(get(entry, "predictor", "name"), 0, registry.version_of(canary_uri), canary_uri,
+                         note=f"dark launch, no traffic (trafficPercent {share} sizes its replicas only)"))
     return RolloutState(name, RAW, CANARY, version, registry.version_of(canary_uri) or canary_uri,
                         entry.get("trafficPercent", 0), ready, canary_uri=canary_uri, traffic=traffic, **common)
