@@ -306,15 +306,29 @@ def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_be
                                              "model_store is s3://elsewhere/models"):
             serving.record_version("models", candidate.triton_version, "s3://elsewhere/models")
         champion = reg.by_alias(CHAMPION).version
-        result = serving.roll_out("kserve", cluster.mlflow.uri, "cube3d", candidate.version, 10, 0, 0.0, ["a cup"],
-                                  namespace="models", isvc="cube3d")
+        import threading
+
+        outcome = {}
+        step = threading.Thread(target=lambda: outcome.update(serving.roll_out(
+            "kserve", cluster.mlflow.uri, "cube3d", candidate.version, 10, 0, 0.0, ["a cup"], namespace="models",
+            isvc="cube3d")))
+        step.start()
+        # The rollback's first patch pins the traffic to version 1's revision and reverts the
+        # spec; KServe makes a new revision of version 1, whose pods start (the canary's never do).
+        wait_until(lambda: len(stub.patches(isvc_path)) >= 2, 300, "the rollback's first patch")
+        stub.world.kserve.start_pods(stub.world.isvc["status"]["components"]["predictor"]["latestCreatedRevision"])
+        step.join(300)
+        assert not step.is_alive(), "the roll-out step did not finish its rollback"
+        result = outcome
         assert result["decision"] == "rolled_back" and "not ready" in result["reason"]
         patches = stub.patches(isvc_path)
         assert patches[0]["spec"]["predictor"]["model"]["storageUri"] == f"{MODEL_STORE}/{candidate.triton_version}/"
         assert patches[0]["spec"]["predictor"]["canaryTrafficPercent"] == 10
-        # Rolled back: all traffic to the previous revision, the spec back on version 1.
+        # Rolled back to the end, as `cubeserve rollout rollback --wait` does (not left at 0 %
+        # with two revisions routed): pin, then drop the split once version 1's revision is ready.
+        assert [p["spec"]["predictor"]["canaryTrafficPercent"] for p in patches[1:]] == [0, None]
         predictor = stub.world.isvc["spec"]["predictor"]
-        assert predictor["canaryTrafficPercent"] == 0 and predictor["model"]["storageUri"] == f"{MODEL_STORE}/1/"
+        assert "canaryTrafficPercent" not in predictor and predictor["model"]["storageUri"] == f"{MODEL_STORE}/1/"
         assert reg.by_alias(CHAMPION).version == champion and reg.by_alias(CHALLENGER) is None
         assert_only_what_the_role_allows(stub, every_rule=True)
     finally:
@@ -357,6 +371,7 @@ def test_kserve_target_rolls_back_a_ready_canary_that_fails_the_analysis(cluster
         i, deadline = 0, time.monotonic() + 900
         while step.is_alive():  # the users' traffic: the canary fails one request in three
             assert time.monotonic() < deadline, "the roll-out step did not end within 900 s"
+            stub.world.kserve.start_pods()  # the rollback's reverted revision too
             exporter.request(str(champion.triton_version), m.OK, 0.8, 0.01)
             exporter.request(str(candidate.triton_version), m.FAILED if i % 3 == 0 else m.OK, 0.8, 0.01)
             i += 1
@@ -367,9 +382,9 @@ def test_kserve_target_rolls_back_a_ready_canary_that_fails_the_analysis(cluster
                                             f"1 of 1 failed: fail: ") and "error rate 0.3" in outcome["reason"]
         (window,) = outcome["analysis"]
         assert window["baseline"]["version"] == str(champion.triton_version) and window["baseline"]["error_rate"] == 0
-        # Rolled back: all traffic to the previous revision, the spec back on the champion.
+        # Rolled back to the end: the split dropped once the champion's new revision was ready.
         predictor = stub.world.isvc["spec"]["predictor"]
-        assert predictor["canaryTrafficPercent"] == 0
+        assert "canaryTrafficPercent" not in predictor
         assert predictor["model"]["storageUri"] == f"{MODEL_STORE}/{champion.triton_version}/"
         assert_only_what_the_role_allows(stub)
         assert json.loads(reg.get(candidate.version).tags["rollout.analysis"])[0]["result"] == "fail"

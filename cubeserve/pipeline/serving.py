@@ -153,6 +153,8 @@ TARGETS = ("local", "kserve")
 # end well before it, so that the decision is made and recorded.
 ROLLOUT_DEADLINE_S = 7200
 MAX_SOAK_S = ROLLOUT_DEADLINE_S - 1800
+# How long a rollback waits for the reverted revision (inside the half hour the soak leaves).
+ROLLBACK_WAIT_S = 900.0
 # The exit handler's deadline: the roll-out lease outlives both steps, so it expires (and another
 # run may take over) only when neither this run's roll-out nor its exit handler can still act.
 FINISH_DEADLINE_S = 1800
@@ -511,10 +513,11 @@ def _kserve(new, champion, percent, soak_seconds, namespace, isvc, force_rollbac
 
 
 def _kserve_rollback(target, version: str) -> None:
-    # Serverless rollbacks take two calls (pin traffic, then clear it once the old revision is
-    # ready); the first is made here, `cubeserve rollout rollback --wait` finishes it. Only this
-    # run's canary (`version`) is rolled back.
-    target.run("rollback", version=version, force=True)
+    # What `cubeserve rollout rollback --wait` does: a Serverless rollback pins the traffic to
+    # the previous revision, then drops the split once the reverted revision is ready (both
+    # patches, or NotReady after ROLLBACK_WAIT_S: the step fails and the CLI can finish it).
+    # Only this run's canary (`version`) is rolled back.
+    target.run_until_done("rollback", wait=ROLLBACK_WAIT_S, version=version)
 
 
 def finish_run(state: str, error: str, registry_uri: str, model_name: str, pipeline_run_id: str, target: str,

@@ -128,27 +128,15 @@ def _version_set(cluster, args, out) -> int:
 def _change(rollout: Rollout, args, out) -> int:
     command = args.rollout_command
     kwargs = dict(version=args.version, percent=args.percent) if command == "canary" else dict(force=args.force)
-    wait = getattr(args, "wait", 0) or 0
-    deadline = time.monotonic() + wait
-    first = True
-    while True:
-        try:
-            isvc, plan = rollout.plan(command, **kwargs)
-        except NotReady as exc:
-            if time.monotonic() >= deadline:
-                raise
-            print(f"waiting: {exc}", file=out, flush=True)
-            time.sleep(min(10.0, max(0.5, deadline - time.monotonic())))
-            continue
-        if not first and not plan.changed:
-            return DONE
-        notes = rollout.apply(isvc, plan, args.dry_run)
-        _print_plan(plan, notes, out, args.dry_run)
-        first = False
-        # A Serverless rollback takes two patches (pin, then finish); with --wait the second
-        # follows as soon as KServe reports the reverted revision ready.
-        if not (plan.changed and wait and command == "rollback" and not args.dry_run):
-            return DONE
+
+    def waiting(exc: NotReady, seconds: float) -> None:
+        print(f"waiting: {exc}", file=out, flush=True)
+        time.sleep(seconds)
+
+    rollout.run_until_done(command, wait=getattr(args, "wait", 0) or 0, dry_run=args.dry_run,
+                           on_plan=lambda plan, notes: _print_plan(plan, notes, out, args.dry_run),
+                           on_wait=waiting, **kwargs)
+    return DONE
 
 
 def run_rollout(args, out=None) -> int:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Callable, Mapping
 
-from cubeserve.rollout.errors import RolloutError
+from cubeserve.rollout.errors import NotReady, RolloutError
 from cubeserve.rollout.plans import Plan, plan_canary, plan_promote, plan_rollback
 from cubeserve.rollout.preflight import ClusterFacts, check
 from cubeserve.rollout.state import (FIELD_MANAGER, REVISION_URI_ANNOTATION, SERVERLESS, RolloutState,
@@ -208,4 +209,34 @@ class Rollout:
         isvc, plan = self.plan(action, **kwargs)
         self.apply(isvc, plan)
         return plan
+
+    def run_until_done(self, action: str, wait: float = 0.0, dry_run: bool = False,
+                       on_plan=lambda plan, notes: None, on_wait=lambda exc, seconds: time.sleep(seconds),
+                       **kwargs) -> list[Plan]:
+        """Plan and apply `action` the way `cubeserve rollout ACTION --wait SECONDS` does (the CLI
+        and the pipeline share this): a plan refused as NotReady is asked again until `wait`
+        seconds have passed (then NotReady is raised); a Serverless rollback takes two patches
+        (pin traffic to the previous revision, then drop the split once the reverted revision is
+        ready), and with `wait` the second follows in the same call, so a rollback never stops
+        halfway. `on_plan(plan, notes)` sees each plan; `on_wait(exc, seconds)` waits (and may
+        report why). Returns the plans applied."""
+        deadline = time.monotonic() + wait
+        applied: list[Plan] = []
+        while True:
+            try:
+                isvc, plan = self.plan(action, **kwargs)
+            except NotReady as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                on_wait(exc, min(10.0, max(0.5, deadline - time.monotonic())))
+                continue
+            if applied and not plan.changed:
+                return applied
+            notes = self.apply(isvc, plan, dry_run)
+            on_plan(plan, notes)
+            applied.append(plan)
+            if not (plan.changed and wait and action == "rollback" and not dry_run):
+                return applied
+            # Finishing the rollback this call started: whichever canary it named is gone now.
+            kwargs["version"] = None
 
