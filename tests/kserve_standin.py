@@ -35,6 +35,18 @@
     - Raw traffic on v0.20.0: the Ingress / HTTPRoute points at the stable predictor's Service
       only (reconcilers/ingress/kube_ingress_reconciler.go 150, httproute_reconciler.go 266);
       trafficPercent sizes the canary's replicas (predictor.go 886-895) and routes nothing.
+* The deployment mode, per release (`release`, the tag modelled):
+    - status.deploymentMode: not written before v0.15.1; from v0.15.1 the controller records the
+      mode it used (controller.go updateStatus, components/predictor.go), the annotation's value
+      ("Serverless" / "RawDeployment") until v0.15.x; from v0.16.0 the new names "Knative" /
+      "Standard" (pkg/constants/constants.go at v0.16.0, 464-467; utils.GetDeploymentMode maps
+      the legacy annotation values to them).
+    - the validating webhook on UPDATE, from v0.15.1 (inference_service_validation.go,
+      validateDeploymentMode): the annotation, when present, must equal the old object's
+      status.deploymentMode, else "update rejected: deploymentMode cannot be changed from ...".
+      From v0.17.0 the defaulting webhook first normalises the legacy names
+      (constants.ParseDeploymentMode, kserve#5025); on v0.16.0 nothing does, so an object
+      annotated "Serverless" whose status says "Knative" refuses every update.
 """
 
 from __future__ import annotations
@@ -44,6 +56,39 @@ import json
 from typing import Any
 
 ANNOTATION_URI = "internal.serving.kserve.io/storage-initializer-sourceuri"
+
+
+def _release(release: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in release.lstrip("v").split("."))
+
+
+MODE_ANNOTATION = "serving.kserve.io/deploymentMode"
+_NEW_NAMES = {"Serverless": "Knative", "RawDeployment": "Standard"}
+
+
+def status_mode(release: str, raw: bool) -> str | None:
+    """status.deploymentMode as `release`'s controller writes it (module docstring)."""
+    if _release(release) < (0, 15, 1):
+        return None
+    legacy = "RawDeployment" if raw else "Serverless"
+    return _NEW_NAMES[legacy] if _release(release) >= (0, 16, 0) else legacy
+
+
+def validate_update(release: str, old: dict, new: dict) -> None:
+    """The deployment-mode check of `release`'s validating webhook on an UPDATE (module
+    docstring); a denial is a 403 as controller-runtime's admission.Denied answers it."""
+    if _release(release) < (0, 15, 1):
+        return
+    recorded = (old.get("status") or {}).get("deploymentMode")
+    annotation = (new["metadata"].get("annotations") or {}).get(MODE_ANNOTATION)
+    if not recorded or annotation is None:
+        return
+    if _release(release) >= (0, 17, 0):  # the defaulter's ParseDeploymentMode
+        annotation = _NEW_NAMES.get(annotation, annotation)
+    if annotation != recorded:
+        raise ApiError(403, "Forbidden", 'admission webhook "inferenceservice.kserve-webhook-server.validator" '
+                       f"denied the request: update rejected: deploymentMode cannot be changed from "
+                       f"'{recorded}' to '{annotation}'")
 
 
 class ApiError(Exception):
@@ -111,13 +156,16 @@ class ObjectStore:
         self.obj["metadata"].update(resourceVersion="1", generation=1)
         self.owners: dict[str, set] = {manager: set(leaves(self.obj))}
         self.operations = {manager: operation}
+        self.admission = None  # (old, new) -> None or ApiError: the validating webhooks on UPDATE
         self._render_managed_fields()
 
     def get(self) -> dict:
         return copy.deepcopy(self.obj)
 
-    def _store(self, new: dict) -> dict:
+    def _store(self, new: dict, admit: bool = True) -> dict:
         old = self.obj
+        if admit and self.admission is not None:  # not for status: the webhook watches the resource, not /status
+            self.admission(old, new)
         new["metadata"]["resourceVersion"] = str(int(old["metadata"]["resourceVersion"]) + 1)
         content = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
         generation = old["metadata"]["generation"] + (content(new) != content(old))
@@ -182,7 +230,7 @@ class ObjectStore:
     def write_status(self, status: dict) -> None:
         new = copy.deepcopy(self.obj)
         new["status"] = status
-        self._store(new)
+        self._store(new, admit=False)
 
 
 def predictor_service_name(isvc: str, predictor: str | None) -> str:
@@ -194,8 +242,9 @@ class KServeController:
     """Reconciles one InferenceService of an ObjectStore as KServe (and Knative) would; pods come
     up only when a test says so (`start_pods`)."""
 
-    def __init__(self, store: ObjectStore):
-        self.store = store
+    def __init__(self, store: ObjectStore, release: str = "v0.20.0"):
+        self.store, self.release = store, release
+        store.admission = lambda old, new: validate_update(release, old, new)
         self.revisions: list[dict] = []  # Knative: {"name", "uri", "template", "ready"}
         self.ksvc_generation = 0
         self.ksvc_template = None
@@ -270,7 +319,7 @@ class KServeController:
         ready = bool(latest_ready) and latest_ready == created
         status["conditions"] = [{"type": t, "status": "True" if ready else "False"} for t in ("PredictorReady", "Ready")]
         status["observedGeneration"] = self.ksvc_generation
-        status["deploymentMode"] = "Serverless"
+        self._record_mode(status, raw=False)
         uris = {r["name"]: r["uri"] for r in self.revisions}
         self.traffic_history.append([(uris[t["revisionName"]], t["percent"]) for t in traffic])
         return status
@@ -329,12 +378,19 @@ class KServeController:
         conditions += [{"type": t, "status": "True" if ready else "False"} for t in ("PredictorReady", "Ready")]
         status["conditions"] = conditions
         status["observedGeneration"] = stable["generation"]
-        status["deploymentMode"] = "RawDeployment"
+        self._record_mode(status, raw=True)
         # The Ingress sends everything to the stable predictor's Service (v0.20.0).
         self.traffic_history.append([(stable["serving"], 100)] if ready else [])
         return status
 
     # -- both -----------------------------------------------------------------------------------
+
+    def _record_mode(self, status: dict, raw: bool) -> None:
+        mode = status_mode(self.release, raw)
+        if mode:
+            status["deploymentMode"] = mode
+        else:
+            status.pop("deploymentMode", None)
 
     def raw(self) -> bool:
         mode = (self.store.obj["metadata"].get("annotations") or {}).get("serving.kserve.io/deploymentMode", "")

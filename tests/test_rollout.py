@@ -12,6 +12,7 @@ import copy
 import io
 import json
 import re
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -39,10 +40,10 @@ class World:
     """One InferenceService: the API server's copy (created by `kubectl apply --server-side` of
     an overlay) and KServe's controller, with the first revision or Deployment ready."""
 
-    def __init__(self, overlay: str = "canary", isvc: dict | None = None):
+    def __init__(self, overlay: str = "canary", isvc: dict | None = None, release: str = "v0.20.0"):
         self.overlay = overlay_isvc(overlay) if isvc is None else isvc
         self.store = ObjectStore(self.overlay, manager="kubectl", operation="Apply")
-        self.kserve = KServeController(self.store)
+        self.kserve = KServeController(self.store, release)
         self.kserve.reconcile()
         self.kserve.start_pods()
 
@@ -456,6 +457,36 @@ def test_a_roll_out_promotes_or_rolls_back_only_its_own_canary(overlay):
     world.kserve.start_pods()
     with pytest.raises(r.RolloutError, match="cannot promote the canary of version 3: stable"):
         world.plan("promote", canary="3")  # promoted already: no canary of its own to act on
+
+
+@pytest.mark.parametrize("release", ["v0.14.0", "v0.15.0", "v0.15.1", "v0.16.0", "v0.17.0", "v0.19.0", "v0.20.0"])
+def test_a_serverless_roll_out_passes_the_deployment_mode_webhook_except_where_excluded(release):
+    """The overlays annotate the mode with the names every release knows (Serverless); KServe's
+    validating webhook compares it with the status (kserve_standin.validate_update, per release).
+    On v0.16.0 every update is refused, so v0.16.0 is out of the declared range
+    (k8s_validation.EXCLUDED_KSERVE, README); on every other release a canary and its promote pass."""
+    from k8s_validation import EXCLUDED_KSERVE
+
+    world = World("canary", release=release)
+    if release in EXCLUDED_KSERVE:
+        assert world.isvc["status"]["deploymentMode"] == "Knative"
+        with pytest.raises(ApiError, match="deploymentMode cannot be changed from 'Knative' to 'Serverless'"):
+            world.do("canary", "2", 10)
+        return
+    world.do("canary", "2", 10)
+    world.kserve.start_pods()
+    world.do("promote")
+    world.kserve.start_pods()
+    assert (world.state().phase, world.state().stable) == ("stable", "2")
+
+
+def test_the_readme_names_the_excluded_releases():
+    from k8s_validation import EXCLUDED_KSERVE
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("### Compatibility"):readme.index("### Draining")]
+    for release in EXCLUDED_KSERVE:
+        assert f"not {release.rsplit('.', 1)[0]}.x" in table, release
 
 
 def test_services_outside_the_registry_are_refused():
