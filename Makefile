@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= a round table
 CHECKPOINT ?=
 
-.PHONY: install test serve demo demo-model bench load k8s image pipeline pipelines clean
+.PHONY: install test test-quick serve demo demo-model bench load k8s image image-test pipeline pipelines clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q
+
+# The inner loop: everything but the image build (tests/test_image.py, marker `image`).
+test-quick: install
+	$(PY) -m pytest -q -m "not image"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # tiny random demo weights are written into the version directories on first use.
@@ -67,12 +71,21 @@ pipeline: install
 	test -n "$(CHECKPOINT)" || (echo "usage: make pipeline CHECKPOINT=DIR [PARAMS=...]"; exit 1)
 	$(PY) -m kfp_pipelines.run_local --checkpoint $(CHECKPOINT) --state $(PIPELINE_STATE) $(PARAMS)
 
-# The runtime image (needs a docker engine; none runs on this project's machines):
-# make image IMAGE=REGISTRY/cube-serve:TAG
+# The runtime image, built from the repository root with docker where a docker daemon answers,
+# with podman (no daemon) otherwise or with ENGINE=podman. Either pulls nvcr.io/nvidia/tritonserver,
+# which this project's machines cannot reach (`make image-test` builds it here on a local base):
+# make image IMAGE=REGISTRY/cube-serve:TAG [ENGINE=docker|podman]
 IMAGE ?=
+ENGINE ?= $(shell docker info >/dev/null 2>&1 && echo docker || echo podman)
 image:
-	test -n "$(IMAGE)" || (echo "usage: make image IMAGE=REGISTRY/cube-serve:TAG"; exit 1)
-	docker build -f k8s/Dockerfile -t $(IMAGE) .
+	test -n "$(IMAGE)" || (echo "usage: make image IMAGE=REGISTRY/cube-serve:TAG [ENGINE=docker|podman]"; exit 1)
+	$(ENGINE) build -f k8s/Dockerfile -t $(IMAGE) .
+
+# Build k8s/Dockerfile here with podman (as root) on a Debian base made with debootstrap in place
+# of Triton's, run every pipeline step's imports in the result, and check the image's Python's
+# dependency resolution: tests/test_image.py (installs podman and debootstrap when missing).
+image-test: install
+	$(PY) -m pytest -q tests/test_image.py
 
 clean:
 	rm -rf outputs triton_models/*/[0-9]*/weights

@@ -13,13 +13,9 @@ compiled pipeline's settings (image, caching, retries, resources, GPU, secrets, 
 
 from __future__ import annotations
 
-import ast
 import inspect
 import json
-import os
 import re
-import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -500,22 +496,3 @@ def test_every_step_has_typed_inputs_and_outputs():
         for name in inspect.signature(func).parameters:
             assert name in hints, f"{func.__name__}: input {name} has no type"
         assert "return" in hints and hints["return"] is not None, f"{func.__name__}: untyped output"
-
-
-def _imported_modules() -> set[str]:
-    """Every module the steps import, including the imports inside functions of the cubeserve
-    modules they call (imports are lazy there, so importing a module alone proves little)."""
-    names = set()
-    sources = [inspect.getsource(f) for f in pipeline_module.STEPS]
-    modules = ["cubeserve/pipeline/steps.py", "cubeserve/pipeline/serving.py", "cubeserve/registry.py",
-               "cubeserve/storage.py", "cubeserve/serving/repository.py"]
-    modules += [str(p.relative_to(REPO)) for p in sorted((REPO / "cubeserve" / "rollout").glob("*.py"))]
-    for module in modules:
-        sources.append((REPO / module).read_text())
-    for source in sources:
-        for node in ast.walk(ast.parse(inspect.cleandoc(source) if source.startswith(" ") else source)):
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module)
-    return {n for n in names if n != "__future__"}
