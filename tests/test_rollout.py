@@ -489,6 +489,28 @@ def test_the_readme_names_the_excluded_releases():
         assert f"not {release.rsplit('.', 1)[0]}.x" in table, release
 
 
+@pytest.mark.parametrize("arm", ["a", "b"])
+def test_an_arm_of_the_cross_pod_ab_test_gets_no_raw_canary_or_promote(arm):
+    """k8s/overlays/ab: each arm is labelled; a raw promote would rename its predictor and KServe
+    v0.20.0 would delete the Service `cube3d-<arm>-predictor` the HTTPRoute names (the stand-in
+    deletes orphans as predictor.go 1002-1035 does), so the tool refuses before anything changes."""
+    isvc = find(render("ab"), "InferenceService", f"cube3d-{arm}")
+    isvc["metadata"]["namespace"] = "models"
+    route = find(render("ab"), "HTTPRoute")
+    assert f"cube3d-{arm}-predictor" in json.dumps(route)  # the Service a promote would take away
+    world = World(isvc=isvc)
+    with pytest.raises(r.RolloutError, match=f"cube3d-{arm} is arm {arm} of a cross-pod A/B test"):
+        world.plan("canary", "3", 0)
+    # A canary added by hand is not promoted either.
+    world.store.update({"spec": {"canary": [{"predictor": {"name": "v3", "model": {
+        "name": "kserve-container", "modelFormat": {"name": "triton"}, "storageUri": f"{BASE}/3/"}},
+        "trafficPercent": 0}]}}, "kubectl-edit")
+    world.kserve.reconcile()
+    world.kserve.start_pods()
+    with pytest.raises(r.RolloutError, match="would rename its predictor"):
+        world.plan("promote")
+
+
 def test_services_outside_the_registry_are_refused():
     with pytest.raises(r.RolloutError, match="no storageUri"):
         World("cpu").plan("canary", "2", 10)

@@ -131,14 +131,33 @@ def _refuse_drift(state: RolloutState) -> None:
                            ". Settle it first (`cubeserve rollout status`), then run the command again")
 
 
+# The label the A/B overlay puts on each arm (k8s/overlays/ab/a, b).
+AB_ARM_LABEL = "cube-serve.io/ab-arm"
+
+
+def _refuse_ab_arm(isvc: Mapping, state: RolloutState, action: str) -> None:
+    """A raw promote renames the stable predictor, and KServe v0.20.0 then deletes the old
+    predictor's Deployment and Service as orphans (components/predictor.go 1002-1035), the Service
+    the A/B HTTPRoute names (`<isvc>-predictor`): the arm would lose its traffic. An arm changes
+    version by a new InferenceService and the route's weights (`cubeserve rollout ab`)."""
+    arm = get(isvc, "metadata", "labels", AB_ARM_LABEL)
+    if arm and state.mode == RAW:
+        raise RolloutError(f"{state.name} is arm {arm} of a cross-pod A/B test (label {AB_ARM_LABEL}): a raw "
+                           f"{action} would rename its predictor and KServe would delete the Service "
+                           f"{state.name}-predictor that the A/B HTTPRoute sends the arm's traffic to; change "
+                           "the arms with `cubeserve rollout ab` instead")
+
+
 def plan_canary(isvc: Mapping, registry: VersionRegistry, version: str, percent: int,
                 revisions: Mapping[str, str] | None = None, mode: str | None = None) -> Plan:
     """Start a canary of `version` with `percent` of the traffic, or change the share of the
-    canary of that same version. Refuses while another rollout is unfinished."""
+    canary of that same version. Refuses while another rollout is unfinished, and on an arm of
+    the cross-pod A/B test in RawDeployment mode (its promote would take the arm's Service away)."""
     percent = _percent(percent)
     uri = registry.require(version)
     state = rollout_state(isvc, registry, revisions, mode)
     strategy = STRATEGIES[state.mode]
+    _refuse_ab_arm(isvc, state, "canary (and its promote)")
     _refuse_drift(state)
     if state.phase == ROLLING_BACK:
         raise RolloutError(f"{state.name}: the rollback to version {state.stable} is not finished: "
@@ -180,6 +199,7 @@ def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[st
     """Give the canary all the traffic and make it the stable version (only if it is version
     `canary`, when given)."""
     state = rollout_state(isvc, registry, revisions, mode)
+    _refuse_ab_arm(isvc, state, "promote")
     _refuse_drift(state)  # first: "nothing to promote" would hide a canary written over
     _require_canary(state, canary, "promote")
     if state.phase in (STABLE, UPDATING):
