@@ -296,7 +296,11 @@ def test_kserve_target_records_the_version_and_rolls_back_a_canary_that_never_be
         candidate = candidate_version(cluster)
         # The package step lists the version where `cubeserve rollout` reads versions.
         assert serving.record_version("models", candidate.triton_version, MODEL_STORE).startswith("versions: 1 ")
-        assert stub.objects[cm_path]["data"]["versions"] == f"1 {candidate.triton_version}"
+        # Its own key (the manifests own `versions`), under its own field manager.
+        data = stub.objects[cm_path]["data"]
+        assert data["versions"] == "1" and data["packaged"] == str(candidate.triton_version)
+        (patch,) = [q for m, p, _, _, q in stub.requests if m == "PATCH" and p == cm_path]
+        assert patch["fieldManager"] == ["cubeserve-rollout"]
         assert "listed already" in serving.record_version("models", candidate.triton_version, MODEL_STORE)
         with pytest.raises(ValueError, match="baseUri is s3://cube-serve/models/cube3d, but the pipeline's "
                                              "model_store is s3://elsewhere/models"):

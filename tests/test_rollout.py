@@ -511,6 +511,27 @@ def test_an_arm_of_the_cross_pod_ab_test_gets_no_raw_canary_or_promote(arm):
         world.plan("promote")
 
 
+def test_the_versions_configmap_has_one_writer_per_field():
+    """k8s/base/runtime/versions.yaml and the pipeline's record_version write different keys, so
+    `kubectl apply --server-side` of an overlay after the pipeline recorded a version neither
+    conflicts nor drops it (server-side apply's conflicts as kserve_standin.ObjectStore models
+    them). Had the pipeline written the overlay's key, the re-apply would conflict, and forced,
+    drop the version being served."""
+    configmap = find(render("canary"), "ConfigMap", r.VERSIONS_CONFIGMAP)
+    assert "packaged" not in configmap["data"]  # the manifests never declare the pipeline's key
+    store = ObjectStore(configmap, manager="kubectl", operation="Apply")
+    store.update({"data": {"packaged": "3"}}, r.FIELD_MANAGER)  # as record_version patches it
+    store.apply(configmap, manager="kubectl")  # the overlay again: no conflict
+    assert r.VersionRegistry.from_configmap(store.get()).versions == ("1", "2", "3")
+    # The old way: one key, two writers.
+    shared = ObjectStore(configmap, manager="kubectl", operation="Apply")
+    shared.update({"data": {"versions": "1 2 3"}}, r.FIELD_MANAGER)
+    with pytest.raises(ApiError, match='conflict with "cubeserve-rollout": .data.versions'):
+        shared.apply(configmap, manager="kubectl")
+    shared.apply(configmap, manager="kubectl", force=True)
+    assert r.VersionRegistry.from_configmap(shared.get()).versions == ("1", "2")  # version 3 lost
+
+
 def test_services_outside_the_registry_are_refused():
     with pytest.raises(r.RolloutError, match="no storageUri"):
         World("cpu").plan("canary", "2", 10)

@@ -460,9 +460,12 @@ def _local_stages(new, old, triton_url, model_store, prompts, canary_percent, ga
 def record_version(namespace: str, version: int, model_store: str) -> str:
     """List version N in the ConfigMap cube3d-versions (where `cubeserve rollout` reads the
     versions it may deploy), after checking that its baseUri is this model store. Returns what
-    was done. A concurrent edit makes the patch fail (resourceVersion precondition); it is
-    retried on fresh data."""
+    was done. It writes only the key the pipeline owns (`packaged`: rollout.versions), under its
+    own field manager, so re-applying the manifests neither conflicts with it nor resets it. A
+    concurrent edit makes the patch fail (resourceVersion precondition); it is retried on fresh
+    data."""
     from cubeserve import rollout
+    from cubeserve.rollout.versions import PACKAGED_KEY
 
     cluster = rollout.Cluster(namespace or None)
     for attempt in range(5):
@@ -474,12 +477,13 @@ def record_version(namespace: str, version: int, model_store: str) -> str:
                 f"but the pipeline's model_store is {model_store}: set one to the other")
         if str(version) in registry.versions:
             return f"version {version} is listed already"
-        versions = " ".join([*registry.versions, str(version)])
+        packaged = " ".join([*((configmap.get("data") or {}).get(PACKAGED_KEY) or "").split(), str(version)])
         patch = {"metadata": {"resourceVersion": configmap["metadata"]["resource_version"]},
-                 "data": {"versions": versions}}
+                 "data": {PACKAGED_KEY: packaged}}
         try:
-            cluster.core.patch_namespaced_config_map(rollout.VERSIONS_CONFIGMAP, cluster.namespace, patch)
-            return f"versions: {versions}"
+            cluster.core.patch_namespaced_config_map(rollout.VERSIONS_CONFIGMAP, cluster.namespace, patch,
+                                                     field_manager=rollout.FIELD_MANAGER)
+            return f"versions: {' '.join([*registry.versions, str(version)])}"
         except Exception as exc:  # noqa: BLE001 - 409 Conflict: someone else edited it; read again
             if getattr(exc, "status", None) != 409 or attempt == 4:
                 raise

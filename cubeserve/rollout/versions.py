@@ -1,9 +1,13 @@
 """Checkpoint versions: which model repositories `cubeserve rollout` may deploy.
 
 Checkpoint version V is the Triton model repository at `<baseUri>/<V>/`. The known versions live
-in the ConfigMap `cube3d-versions` (keys `baseUri`, `versions`; k8s/base/runtime/versions.yaml),
-written by the pipeline's package step, not on the InferenceService: KServe copies the service's
-annotations into the pod template, so every edit of them would restart the model servers.
+in the ConfigMap `cube3d-versions` (k8s/base/runtime/versions.yaml), not on the InferenceService:
+KServe copies the service's annotations into the pod template, so every edit of them would
+restart the model servers. One writer per field: the manifests own `baseUri` and `versions` (the
+versions they name), the pipeline's package step owns `packaged` (the versions it uploaded,
+cubeserve.pipeline.serving.record_version). The known versions are both lists, so re-applying
+the manifests (`kubectl apply --server-side`) neither conflicts with the pipeline's writes nor
+drops a version it recorded.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Mapping
 from cubeserve.rollout.errors import RolloutError
 
 VERSIONS_CONFIGMAP = "cube3d-versions"
+MANIFEST_KEY, PACKAGED_KEY = "versions", "packaged"
 
 # A version is one path segment of a storage URI and part of a Kubernetes name (the canary's
 # Deployment in RawDeployment mode): lower-case letters, digits and '-'.
@@ -36,8 +41,9 @@ class VersionRegistry:
         if "://" not in base:
             raise RolloutError(f"ConfigMap {name}: data.baseUri must be a storage URI "
                                f"(s3://, gs://, pvc://, ...), got {base!r}")
-        # Space- or comma-separated, in order, duplicates dropped.
-        versions = tuple(v for v in dict.fromkeys(re.split(r"[\s,]+", data.get("versions") or "")) if v)
+        # Space- or comma-separated, in order (the manifests' first), duplicates dropped.
+        listed = f"{data.get(MANIFEST_KEY) or ''} {data.get(PACKAGED_KEY) or ''}"
+        versions = tuple(v for v in dict.fromkeys(re.split(r"[\s,]+", listed)) if v)
         for v in versions:
             if not _VERSION_RE.match(v):
                 raise RolloutError(f"ConfigMap {name}: version {v!r} is not a valid version name "
