@@ -151,9 +151,9 @@ def _without(obj: dict, paths) -> dict:
 class ObjectStore:
     """One custom object as the API server keeps it."""
 
-    def __init__(self, obj: dict, manager: str = "kubectl", operation: str = "Apply"):
+    def __init__(self, obj: dict, manager: str = "kubectl", operation: str = "Apply", resource_version: str = "1"):
         self.obj = copy.deepcopy(obj)
-        self.obj["metadata"].update(resourceVersion="1", generation=1)
+        self.obj["metadata"].update(resourceVersion=resource_version, generation=1)
         self.owners: dict[str, set] = {manager: set(leaves(self.obj))}
         self.operations = {manager: operation}
         self.admission = None  # (old, new) -> None or ApiError: the validating webhooks on UPDATE
@@ -177,7 +177,7 @@ class ObjectStore:
     def _render_managed_fields(self) -> None:
         self.owners = {m: f for m, f in self.owners.items() if f}
         self.obj["metadata"]["managedFields"] = [
-            {"manager": m, "operation": self.operations.get(m, "Update"), "apiVersion": self.obj["apiVersion"],
+            {"manager": m, "operation": self.operations.get(m, "Update"), "apiVersion": self.obj.get("apiVersion", "v1"),
              "fieldsType": "FieldsV1", "fieldsV1": _fields_v1(sorted(fields))}
             for m, fields in sorted(self.owners.items())]
 
@@ -207,7 +207,11 @@ class ObjectStore:
         return self._store(new)
 
     def apply(self, config: dict, manager: str, force: bool = False) -> dict:
-        """Server-side apply of `config` (operation Apply) by `manager`."""
+        """Server-side apply of `config` (operation Apply) by `manager`; a resourceVersion in it
+        is a precondition, as for an update."""
+        self._check_precondition(config)
+        config = copy.deepcopy(config)
+        config.get("metadata", {}).pop("resourceVersion", None)
         live = leaves(self.obj)
         wanted = leaves(config)
         conflicts = sorted((p, m) for p, v in wanted.items() if live.get(p, object()) != v and p in live

@@ -637,6 +637,7 @@ class FakeCluster:
         self.lag_gets, self.pods_after_gets, self.pending, self.gets = lag_gets, pods_after_gets, None, 0
         self.release, self.gateway_api, self.objects = release, gateway_api, {}
         self.configmaps, self.applied = {}, []
+        self.configmap_stores: dict[str, ObjectStore] = {}
         self.lagged_generations_matched = False
 
     def __call__(self, namespace=None, context=None):
@@ -683,18 +684,27 @@ class FakeCluster:
         return copy.deepcopy(self.configmaps.get(name))
 
     def apply_configmap(self, body):
-        """Server-side apply, as far as one manager of one key goes: create or merge, with the
-        resourceVersion precondition."""
+        """Server-side apply as cubeserve-rollout (kserve_standin.ObjectStore: field managers,
+        conflicts, the resourceVersion precondition); creates a missing ConfigMap."""
         name = body["metadata"]["name"]
+        store = self.configmap_stores.get(name)
         current = self.configmaps.get(name)
-        expected = body["metadata"].get("resourceVersion")
-        if expected is not None and (current is None or current["metadata"]["resourceVersion"] != expected):
-            raise ApiException(409, "Conflict")
-        stored = r.merge_patch(current or {}, body)
-        stored["metadata"]["resourceVersion"] = str(int((current or {"metadata": {"resourceVersion": "0"}})["metadata"]["resourceVersion"]) + 1)
-        self.configmaps[name] = stored
+        if current is not None and (store is None or store.get() != current):
+            # Put here by a test: stands for what this tool wrote before.
+            store = self.configmap_stores[name] = ObjectStore(current, r.FIELD_MANAGER, "Apply",
+                                                              current["metadata"].get("resourceVersion", "1"))
+        try:
+            if store is None:
+                if body["metadata"].get("resourceVersion"):
+                    raise ApiException(409, "Conflict")
+                store = self.configmap_stores[name] = ObjectStore(body, r.FIELD_MANAGER, "Apply")
+            else:
+                store.apply(body, r.FIELD_MANAGER)
+        except ApiError as exc:
+            raise ApiException(exc.status, exc.reason) from exc
+        self.configmaps[name] = store.get()
         self.applied.append(body)
-        return stored
+        return store.get()
 
     def revisions(self, isvc):
         return {k: v for k, v in self.world.kserve.revision_uris().items()}
@@ -951,6 +961,7 @@ class StubApiServer:
 
         self.world, self.requests = world, []
         self.rules, self.authorized = rules, []
+        self.stores: dict[str, ObjectStore] = {}  # the objects patched so far, with their field managers
         crd = copy.deepcopy(kserve_crd(release, "serving.kserve.io_inferenceservices.yaml"))
         runtime = find(render("raw"), "ServingRuntime")
         self.objects = {
@@ -1027,17 +1038,31 @@ class StubApiServer:
                         return self._error(exc.status, exc.reason, exc.message)
                     stub.world.kserve.reconcile()
                     return self._send(200, stub.world.isvc)
-                current = stub.objects.get(url.path)
-                if current is None and self.headers["Content-Type"] == "application/apply-patch+yaml":
-                    current = {"metadata": {"resourceVersion": "0"}}  # server-side apply creates it
-                elif current is None:
-                    return self._error(404, "NotFound")
-                if body.get("metadata", {}).get("resourceVersion") not in (None, current["metadata"]["resourceVersion"]):
-                    return self._error(409, "Conflict")
-                stored = json_merge_patch(current, body)
-                stored["metadata"]["resourceVersion"] = str(int(current["metadata"]["resourceVersion"]) + 1)
-                stub.objects[url.path] = stored
-                self._send(200, stored)
+                # Every other object as the API server keeps it (kserve_standin.ObjectStore): a
+                # merge patch is an update by its field manager, an apply-patch is server-side
+                # apply (a field another manager owns is a 409 conflict unless force=true) and
+                # creates a missing object; a resourceVersion in the body is a precondition.
+                applying = self.headers["Content-Type"] == "application/apply-patch+yaml"
+                store = stub.stores.get(url.path)
+                try:
+                    if store is None and url.path in stub.objects:  # as the manifests created it
+                        current = stub.objects[url.path]
+                        store = ObjectStore(current, "kubectl", "Apply", current["metadata"].get("resourceVersion", "1"))
+                    if store is None:
+                        if not applying:
+                            return self._error(404, "NotFound")
+                        if body.get("metadata", {}).get("resourceVersion"):
+                            return self._error(409, "Conflict", "the object has been deleted or never existed")
+                        store = ObjectStore(body, manager, "Apply")
+                    elif applying:
+                        store.apply(body, manager, force=query.get("force") == ["true"])
+                    else:
+                        store.update(body, manager)
+                except ApiError as exc:
+                    return self._error(exc.status, exc.reason, exc.message)
+                stub.stores[url.path] = store
+                stub.objects[url.path] = store.get()
+                self._send(200, stub.objects[url.path])
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -1131,6 +1156,30 @@ def test_the_experiment_is_written_by_server_side_apply_over_http(tmp_path, monk
         body = stub.patches(EXPERIMENT_PATH)[-1]
         assert body["metadata"]["resourceVersion"] == "1" and body["data"] == {"experiment.json": ""}
         assert parse(stub.objects[EXPERIMENT_PATH]["data"]["experiment.json"]) is None
+    finally:
+        stub.close()
+
+
+def test_an_experiment_edited_by_hand_is_a_conflict_for_server_side_apply(tmp_path, monkeypatch, capsys):
+    """Server-side apply as the API server does it (kserve_standin.ObjectStore; Kubernetes
+    docs, "Server-Side Apply", Conflicts): after a `kubectl edit` of the experiment (an update by
+    manager kubectl-edit, which then owns data.experiment.json) the tool's apply is a 409
+    conflict naming the field and its manager, not a silent overwrite; the CLI says what to do."""
+    world = World("experiment")
+    stub = StubApiServer(world)
+    try:
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "ab", "--set", "control=1:90,candidate=2:10",
+                                  "--name", "decoder-v2")
+        assert code == 0, out
+        stub.stores[EXPERIMENT_PATH].update({"data": {"experiment.json": ""}}, "kubectl-edit")
+        stub.objects[EXPERIMENT_PATH] = stub.stores[EXPERIMENT_PATH].get()
+        managers = {m["manager"] for m in stub.objects[EXPERIMENT_PATH]["metadata"]["managedFields"]}
+        assert "kubectl-edit" in managers
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "ab", "--set", "control=1:50,candidate=2:50",
+                                  "--name", "decoder-v2")
+        err = capsys.readouterr().err
+        assert code == cli.API_ERROR and "409" in err and "another field manager owns a field" in err, (out, err)
+        assert stub.objects[EXPERIMENT_PATH]["data"]["experiment.json"] == ""  # nothing overwritten
     finally:
         stub.close()
 
