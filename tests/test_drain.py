@@ -12,6 +12,13 @@ generations are cut; with a long one, Triton's own shutdown takes new work on gR
 (REST goes through the supervisor's front end, which answers 503 once tritonserver takes no new
 connections: Triton's own resets and its new work on kept-alive connections no longer reach a
 REST client.)
+
+None of this depends on how fast the machine generates: the test holds the generations in flight
+itself (`EngineHold`: the engine's process stopped, SIGSTOP, until the test lets it go on), so
+they are in flight when the stop starts and, with the 2 s exit timeout, still unfinished when it
+expires, however few seconds 2048 tokens take here; with the long one, an idle connection to
+tritonserver's own port keeps its shutdown in the step that takes new gRPC work until the test
+has sent its new requests, however soon the generations end.
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ import http.client
 import io
 import json
 import os
+import re
 import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,24 +46,30 @@ from cube3d_client import Cube3DClient
 from cubeserve import deploy
 from cubeserve.checkpoint import write_random_weights
 from cubeserve.config import TINY
-from cubeserve.serving.drain import in_progress
+from cubeserve.serving.drain import IN_PROGRESS_METRIC, in_progress
 from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
-from cubeserve.serving.stubs import process_tree
-from serving_helpers import metrics
+from cubeserve.serving.stubs import process_tree, python_stubs
+from cubeserve.serving.supervisor import DRAINED_GRACE_S
+from serving_helpers import metrics, wait_until
 
-# 2048 shape tokens on the tiny model: three generations at once take a few seconds on two cores,
-# long enough to be in flight when the server is told to stop.
+# 2048 shape tokens on the tiny model (seconds on two cores): long enough for the test to find
+# the three generations in flight together (then it holds them there, EngineHold), short enough
+# to finish soon once let go.
 LONG = dataclasses.replace(TINY, name="tiny-long",
                            tokenizer=dataclasses.replace(TINY.tokenizer, num_encoder_latents=2048))
 IN_FLIGHT_HTTP, IN_FLIGHT_STREAM = 2, 1
-DRAINED_GRACE = 2.0  # the supervisor's --drained-grace here (10 s in a pod)
+# The supervisor's --drained-grace: a pod's (10 s) where a drained server must exit by itself
+# (Triton's own shutdown of a drained, idle server takes about 2 s: it looks at its models once a
+# second), a short one where the test waits for the supervisor's kill.
+POD_DRAINED_GRACE = DRAINED_GRACE_S
+DRAINED_GRACE = 2.0
 
 # What each way of stopping gets wrong (the fix: nothing). A plain SIGTERM is Triton 2.51's own
 # shutdown (serving/drain.py): requests on gRPC are still taken, and whatever runs when the exit
 # timeout ends is cut; over REST the front end refuses new requests cleanly once tritonserver
 # closes new connections. (problems it must show, problems it may show): with a 2 s exit
 # timeout, whether a new request is still taken depends on how far the shutdown got on a loaded
-# machine; the generations it cuts do not.
+# machine; the generations it cuts do not (the test holds them past it).
 PROBLEMS = {
     "prestop-drain": (set(), set()),
     "sigterm-exit-timeout-2s": ({"in-flight cut"}, {"new work taken"}),
@@ -76,6 +92,70 @@ NEW_REQUEST_DEADLINE_US = 3_000_000
 ANSWER_WAIT_S = 15  # how long the test waits for any answer to a new request
 SHUTTING_DOWN = "the server is shutting down"
 IDLE_KILL = "still waits for clients' idle connections"  # the supervisor's line when it kills (supervisor.py)
+
+
+class EngineHold:
+    """The engine's process (the cube3d_stream stub, which runs every generation) stopped by the
+    test with SIGSTOP, and let go with SIGCONT: while it is stopped no generation takes a step,
+    sends a mesh or ends, so "in flight when the stop starts" and "longer than the exit timeout"
+    hold by construction, whatever the machine's speed. The supervisor and the predict model
+    take a stopped stub for a live one (they look for dead ones, serving/stubs.py); Triton's
+    python backend does too until it hands the stub a request: one that does not take it within
+    about a second is "not healthy", and killed. So the engine is held only while no new request
+    is on its way to it."""
+
+    def __init__(self, server):
+        pids = [pid for pid, (model, _) in python_stubs(server.tritonserver_pid()).items()
+                if model == deploy.STREAM_MODEL]
+        assert len(pids) == 1, pids
+        self.pid, self.held = pids[0], False
+
+    def _stopped(self) -> bool:
+        """Every thread of the engine's process has stopped (SIGSTOP takes effect asynchronously)."""
+        try:
+            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for task in Path(f"/proc/{self.pid}/task").iterdir()]
+        except (OSError, IndexError):
+            return False
+        return all(state in ("T", "t") for state in states)
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+        self.held = True
+        wait_until(self._stopped, 10, "the engine's process stopped")
+
+    def stop_when(self, condition, timeout: float, what: str) -> None:
+        """Stop the engine at a moment `condition` holds, as seen while it is stopped (so what it
+        saw is what stays): look with the engine stopped, let it go on while it does not hold."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.stop()
+            if condition():
+                return
+            self.release()
+            assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:  # killed meanwhile (the 2 s exit timeout's case)
+                pass
+
+
+def requests_in_progress(server, model: str) -> float:
+    """The requests model `model` has accepted and not answered (its cube3d_requests_in_progress)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(float(value) for labels, value in re.findall(rf"^{IN_PROGRESS_METRIC}\{{(.*)\}} ([0-9.e+-]+)$", text, re.M)
+               if f'model="{model}"' in labels)
+
+
+def triton_stopping(server) -> bool:
+    """tritonserver has begun its own shutdown: its HTTP endpoint takes no new connections and
+    waits for those open (Triton logs the count every second from then on)."""
+    return b"HTTP service connections" in server.log_path.read_bytes()
 
 
 def infer_body(prompt: str) -> bytes:
@@ -158,12 +238,14 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
     exit_timeout = {"sigterm-exit-timeout-2s": ["--exit-timeout-secs=2"]}.get(how, [])
     assert f"--exit-timeout-secs={deploy.EXIT_TIMEOUT_S}" in deploy.COMMON_FLAGS  # the rest run as in a pod
     server = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "tritonserver.log",
-                         supervised=True, on_fault="exit", drained_grace=DRAINED_GRACE,
+                         supervised=True, on_fault="exit", drained_grace=POD_DRAINED_GRACE,
                          extra_args=tuple(exit_timeout))
     server.start()
     problems: set[str] = set()
+    hold = idle = None
     try:
         tree = process_tree(server.process.pid)
+        hold = EngineHold(server)
         # A client that keeps its connection open (an ingress controller's pool does): opened now.
         kept_alive = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
         kept_alive.request("GET", deploy.READY_PATH)
@@ -185,10 +267,9 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
         flights = [threading.Thread(target=generate, args=(i, p), daemon=True) for i, p in enumerate(protocols)]
         for t in flights:
             t.start()
-        deadline = time.monotonic() + 60
-        while metrics(server).get("cube3d_objects_in_flight/v1", 0) < len(protocols):
-            assert time.monotonic() < deadline, "the generations did not start"
-            time.sleep(0.05)
+        # All of them in flight, and held there until the test lets them go on.
+        hold.stop_when(lambda: metrics(server).get("cube3d_objects_in_flight/v1", 0) == len(protocols), 60,
+                       "the generations did not start")
 
         # -- the pod is deleted: the preStop hook, or (before the fix) SIGTERM at once --------------
         stop_started = time.monotonic()
@@ -203,17 +284,41 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
             assert ready, "the preStop hook printed nothing within 60 s"
             assert "refuses new requests" in drain.stdout.readline()  # the marker is written
         else:
+            if how == "sigterm-exit-timeout-600s":
+                # Triton's first step of a shutdown waits for every open HTTP connection: this one
+                # stands for a generation over REST that is still running, however fast the
+                # generations here end, until the test has sent its new requests.
+                idle = http.client.HTTPConnection("127.0.0.1", server.triton_http_port, timeout=10)
+                idle.request("GET", deploy.READY_PATH)
+                assert idle.getresponse().read() == b""
             server.process.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
+            # Triton has begun its shutdown: its HTTP endpoint takes no new connection, and waits
+            # for those open (the held generations' at least).
+            wait_until(lambda: triton_stopping(server), 30, "tritonserver's shutdown began")
         assert metrics(server)["cube3d_objects_in_flight/v1"] == len(protocols), "not in flight any more"
+        # The new requests must find the engine running (EngineHold: Triton's python backend kills
+        # a stub that does not take the request it hands it).
+        hold.release()
+        engine_requests = requests_in_progress(server, deploy.STREAM_MODEL)
 
         outcomes: dict = {}
-        for t in [new_request(outcomes, "http new connection",
+        asking = [new_request(outcomes, "http new connection",
                               lambda: http_outcome(http.client.HTTPConnection("127.0.0.1", server.http_port),
                                                    "new connection")),
                   new_request(outcomes, "http kept-alive connection", lambda: http_outcome(kept_alive, "kept alive")),
                   new_request(outcomes, "grpc", lambda: grpc_outcome(server, stream=False)),
-                  new_request(outcomes, "grpc stream", lambda: grpc_outcome(server, stream=True))]:
+                  new_request(outcomes, "grpc stream", lambda: grpc_outcome(server, stream=True))]
+        if how == "sigterm-exit-timeout-2s":
+            # Held again once the engine has the two gRPC requests (Triton takes them before its
+            # exit timeout ends), and from then on past that end: the exit timeout cuts the
+            # generations, whatever the machine's speed. Between the two holds they ran only for
+            # as long as two requests take to arrive: still in flight, as checked (held).
+            wait_until(lambda: requests_in_progress(server, deploy.STREAM_MODEL) >= engine_requests + 2
+                       or len(outcomes) == len(asking), 30, "the new gRPC requests reached the engine")
+            hold.stop()
+            assert metrics(server)["cube3d_objects_in_flight/v1"] == len(protocols), \
+                "the generations ended before the test held them again"
+        for t in asking:
             t.join(30)
         for name, ((outcome, detail), seconds) in outcomes.items():
             if outcome == "refused":  # at once, not at the end of some timeout
@@ -223,20 +328,21 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
             else:
                 problems.add("new work taken")
         assert len(outcomes) == 4, outcomes
+        if how == "sigterm-exit-timeout-600s":
+            idle.close()  # Triton's shutdown goes on
 
         log = server.log_path
-        while any(t.is_alive() for t in flights):
-            if "Exit timeout expired" in log.read_text(errors="replace"):
-                # Triton gave up on them and exits (slowly: 2.51 then aborts in its exit path and
-                # prints a stack trace); its stubs, which hold the clients' sockets, go with it.
-                for pid in tree[1:]:
-                    if os.path.exists(f"/proc/{pid}"):
-                        os.kill(pid, signal.SIGKILL)
-                break
-            assert time.monotonic() - stop_started < deploy.REQUEST_TIMEOUT_S, "the generations neither ended nor were cut"
-            time.sleep(0.1)
+        wait_until(lambda: not any(t.is_alive() for t in flights) or b"Exit timeout expired" in log.read_bytes(),
+                   deploy.REQUEST_TIMEOUT_S, "the generations neither ended nor were cut", poll=0.1)
+        if any(t.is_alive() for t in flights):
+            # Triton gave up on them and exits (slowly: 2.51 then aborts in its exit path and
+            # prints a stack trace); its stubs, which hold the clients' sockets, go with it.
+            for pid in tree[1:]:
+                if os.path.exists(f"/proc/{pid}"):
+                    os.kill(pid, signal.SIGKILL)
         for t in flights:
             t.join(30)
+        assert not any(t.is_alive() for t in flights), "a client still waits on a generation"
         for i, result in results.items():  # each mesh arrived whole
             mesh = trimesh.load(io.BytesIO(result.mesh), file_type="glb", force="mesh")
             assert len(mesh.faces) == result.num_faces > 0 and len(mesh.vertices) == result.num_vertices, i
@@ -250,24 +356,26 @@ def test_stopping_the_server_finishes_generations_in_flight_and_refuses_new_ones
             assert in_progress(server.metrics_url) == 0 and len(results) == len(protocols)
             server.process.send_signal(signal.SIGTERM)  # the kubelet's, once the hook has returned
             killed_at = time.monotonic()
-            assert server.process.wait(DRAINED_GRACE + 30) == 0
+            assert server.process.wait(POD_DRAINED_GRACE + 30) == 0
             # Drained and idle: out within seconds, long before the exit timeout; by itself (the
             # kept-alive connection ends at the front end, so Triton's HTTP endpoint has none
             # open), not by the supervisor's kill (the next test).
-            assert time.monotonic() - killed_at < DRAINED_GRACE + 30
+            assert time.monotonic() - killed_at < POD_DRAINED_GRACE + 30
             assert IDLE_KILL.encode() not in server.log_path.read_bytes()
         else:
             kept_alive.close()
             server.process.wait(deploy.EXIT_TIMEOUT_S)
         assert time.monotonic() - stop_started < deploy.EXIT_TIMEOUT_S
-        gone = time.monotonic() + 30
-        while [pid for pid in tree if os.path.exists(f"/proc/{pid}")]:
-            assert time.monotonic() < gone, "processes left behind"
-            time.sleep(0.1)
+        wait_until(lambda: not [pid for pid in tree if os.path.exists(f"/proc/{pid}")], 30, "processes left behind",
+                   poll=0.1)
     finally:
+        if hold is not None:
+            hold.release()
+        if idle is not None:
+            idle.close()
         server.stop(timeout=30)
     must, may = PROBLEMS[how]
-    assert must <= problems <= must | may, (how, problems)
+    assert must <= problems <= must | may, (how, problems, outcomes, errors)
 
 
 def test_a_drained_server_held_by_an_idle_connection_is_stopped_after_the_grace(repo, tmp_path):

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,6 +28,7 @@ from cubeserve.config import TINY
 from cubeserve.serving import experiment, metrics as names
 from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
 from cubeserve.serving.stubs import python_stubs
+from serving_helpers import wait_until
 
 # Versions of cube3d_stream: 1 and 2 hold the same weights (a healthy candidate agrees with the
 # control exactly), 3 other weights (a candidate that disagrees), 4 a slow one (1024 shape tokens
@@ -38,6 +38,25 @@ SLOW = dataclasses.replace(TINY, name="tiny-slow",
                            tokenizer=dataclasses.replace(TINY.tokenizer, num_encoder_latents=1024))
 
 
+def start_server(tmp_path_factory, experiment_file: Path, versions: dict[int, int]) -> LocalTriton:
+    """A tritonserver whose cube3d and cube3d_stream have `versions` (version -> seed of the
+    engine's random weights; version 4 holds SLOW weights), the experiment file at `experiment_file`."""
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
+    for model in ("cube3d", "cube3d_stream"):
+        for v in versions:
+            if v != 1:
+                shutil.copytree(root / model / "1", root / model / str(v))
+        config = root / model / "config.pbtxt"
+        config.write_text(config.read_text().replace("latest { num_versions: 1 }", "all {}"))
+    for v, seed in versions.items():
+        write_random_weights(SLOW if v == 4 else "tiny", root / "cube3d_stream" / str(v) / "weights", seed=seed)
+    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    return LocalTriton(root, free_port(), free_port(), free_port(), log_path=log,
+                       extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
+                                   "--load-model=cube3d"),
+                       env={experiment.EXPERIMENT_FILE_ENV: str(experiment_file)}).start()
+
+
 @pytest.fixture(scope="module")
 def experiment_file(tmp_path_factory):
     return tmp_path_factory.mktemp("experiment") / "experiment.json"
@@ -45,22 +64,22 @@ def experiment_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, experiment_file):
-    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
-    for model in ("cube3d", "cube3d_stream"):
-        for v in VERSIONS:
-            if v != 1:
-                shutil.copytree(root / model / "1", root / model / str(v))
-        config = root / model / "config.pbtxt"
-        config.write_text(config.read_text().replace("latest { num_versions: 1 }", "all {}"))
-    for v, seed in VERSIONS.items():
-        write_random_weights(SLOW if v == 4 else "tiny", root / "cube3d_stream" / str(v) / "weights", seed=seed)
-    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
-    triton = LocalTriton(root, free_port(), free_port(), free_port(), log_path=log,
-                         extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
-                                     "--load-model=cube3d"),
-                         env={experiment.EXPERIMENT_FILE_ENV: str(experiment_file)})
-    with triton:
+    """The module's server, shared by its tests: none may leave it changed (a stub killed, a
+    model unloaded, an experiment file left behind). A test that must break it starts its own."""
+    triton = start_server(tmp_path_factory, experiment_file, VERSIONS)
+    try:
         yield triton
+    finally:
+        triton.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_experiment_file(experiment_file):
+    """Every test starts, and leaves, without the experiment file (which takes precedence over
+    the experiment that set_experiment gives), whatever ran before it and however it ended."""
+    experiment_file.unlink(missing_ok=True)
+    yield
+    experiment_file.unlink(missing_ok=True)
 
 
 def set_experiment(server, body: dict | None) -> None:
@@ -88,6 +107,12 @@ def total(server, name: str, **labels) -> float:
     return sum(v for n, lab, v in samples(server) if n == name and all(lab.get(k) == str(x) for k, x in labels.items()))
 
 
+def counts(server, *keys: tuple) -> list[float]:
+    """total() of each (name, {labels}) in `keys`: read before a test's requests, so that its
+    assertions count what it caused, not what the tests before it left on the shared server."""
+    return [total(server, name, **labels) for name, labels in keys]
+
+
 def generate(server, user: str | None = None, **fields):
     with Cube3DClient(server.http_url, "http", user=user, retries=0) as client:
         return client.generate(fields.pop("prompt", "a chair"), resolution=fields.pop("resolution", 4), **fields)
@@ -99,6 +124,11 @@ AB = {"name": "ab-test", "arms": [{"name": "control", "version": 1, "weight": 70
 
 def test_users_keep_their_arm_and_the_split_follows_the_weights(server):
     set_experiment(server, AB)
+    measured = [(names.REQUESTS, dict(model="cube3d", version=3, arm="candidate", outcome="ok")),
+                (names.MESHES, dict(version=1, arm="control")),
+                (names.TIME_PER_OUTPUT_TOKEN + "_count", dict(version=3, arm="candidate")),
+                (names.REQUEST_DURATION + "_count", dict(version=1, arm="control"))]
+    before = counts(server, *measured)
     users = [f"user-{i}" for i in range(120)]
     with ThreadPoolExecutor(8) as pool:
         first = dict(zip(users, pool.map(lambda u: generate(server, u), users)))
@@ -111,11 +141,10 @@ def test_users_keep_their_arm_and_the_split_follows_the_weights(server):
     candidates = sum(a == "candidate" for a, _ in arms.values())
     n, p = len(users), 0.3
     assert abs(candidates - n * p) <= 3.5 * math.sqrt(n * p * (1 - p)), candidates
-    # the arms are measured apart, each under its checkpoint version
-    assert total(server, names.REQUESTS, model="cube3d", version=3, arm="candidate", outcome="ok") >= candidates
-    assert total(server, names.MESHES, version=1, arm="control") >= n - candidates
-    assert total(server, names.TIME_PER_OUTPUT_TOKEN + "_count", version=3, arm="candidate") >= candidates
-    assert total(server, names.REQUEST_DURATION + "_count", version=1, arm="control") >= n - candidates
+    # the arms are measured apart, each under its checkpoint version (this test's requests only)
+    requests, meshes, per_token, durations = (a - b for a, b in zip(counts(server, *measured), before))
+    assert requests >= candidates and per_token >= candidates, (requests, per_token, candidates)
+    assert meshes >= n - candidates and durations >= n - candidates, (meshes, durations, n - candidates)
 
 
 def test_a_user_header_over_grpc_and_a_pinned_arm(server):
@@ -173,10 +202,8 @@ def test_new_weights_apply_without_a_restart_or_a_dropped_request(server, experi
             i += 1
 
     def after_more_answers(count=3):  # requests straddle each change, however loaded the machine
-        target, deadline = len(results) + len(errors) + count, time.monotonic() + 120
-        while len(results) + len(errors) < target:
-            assert time.monotonic() < deadline, "the clients got no answers"
-            time.sleep(0.2)
+        target = len(results) + len(errors) + count
+        wait_until(lambda: len(results) + len(errors) >= target, 120, "the clients' answers", poll=0.2)
 
     stop = threading.Event()
     threads = [threading.Thread(target=client_loop, args=(stop,)) for _ in range(3)]
@@ -192,6 +219,7 @@ def test_new_weights_apply_without_a_restart_or_a_dropped_request(server, experi
     stop.set()
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client's request did not end"
     try:
         assert not errors, errors[:3]
         assert {r.arm for r in results} >= {"candidate", "only"}
@@ -210,38 +238,53 @@ def test_new_weights_apply_without_a_restart_or_a_dropped_request(server, experi
 
 
 def test_a_shadow_is_measured_and_never_seen(server):
-    before_tokens = total(server, names.SHADOW_AGREEMENT + "_count", version=2, measure="tokens")
+    agreement = names.SHADOW_AGREEMENT
+    measured = [(agreement + "_count", dict(version=2, measure="tokens")),
+                (agreement + "_count", dict(version=2, measure="mesh_iou")),
+                (agreement + "_bucket", dict(version=2, measure="tokens", le="1")),
+                (agreement + "_bucket", dict(version=2, measure="tokens", le="0.999")),
+                (agreement + "_bucket", dict(version=2, measure="mesh_iou", le="0.999")),
+                (names.SHADOW_REQUESTS, dict(version=2, baseline=1)),
+                (names.SHADOW_REQUESTS, dict(version=2, baseline=1, outcome="ok")),
+                (names.MESHES, dict(version=2, arm="shadow"))]
+    before = counts(server, *measured)
+
+    def new():
+        return [a - b for a, b in zip(counts(server, *measured), before)]
+
     set_experiment(server, {"name": "shadow", "arms": [{"name": "control", "version": 1, "weight": 1}],
                             "shadow": {"version": 2, "share": 1.0}})
     greedy = [generate(server, f"s{i}") for i in range(6)]
     sampled = [generate(server, f"t{i}", top_p=0.9, seed=i) for i in range(3)]
     assert all(r.arm == "control" and r.model_version == "1" for r in greedy + sampled)
-    deadline = time.monotonic() + 60
-    while total(server, names.SHADOW_AGREEMENT + "_count", version=2, measure="mesh_iou") < 3:
-        assert time.monotonic() < deadline, samples(server)
-        time.sleep(0.5)
+    # every copy ends (each in its own time, after the served answer) and is measured
+    wait_until(lambda: new()[5] >= 9, 120, "the 9 shadow copies measured", poll=0.5)
+    wait_until(lambda: new()[0] >= 6 and new()[1] >= 3, 60, "the copies compared", poll=0.5)
+    tokens, ious, identical, below, iou_below_one, copies, ok, meshes = new()
     # versions 1 and 2 hold the same weights: identical tokens, identical meshes
-    assert total(server, names.SHADOW_AGREEMENT + "_count", version=2, measure="tokens") - before_tokens >= 6
-    identical = total(server, names.SHADOW_AGREEMENT + "_bucket", version=2, measure="tokens", le="1")
-    below = total(server, names.SHADOW_AGREEMENT + "_bucket", version=2, measure="tokens", le="0.999")
+    assert tokens >= 6 and ious >= 3
     assert identical - below >= 6 and below == 0
-    iou_below_one = total(server, names.SHADOW_AGREEMENT + "_bucket", version=2, measure="mesh_iou", le="0.999")
     assert iou_below_one == 0
-    assert total(server, names.SHADOW_REQUESTS, version=2, baseline=1, outcome="ok") >= 9
+    assert ok >= 9
     # the shadow's generations are the engine's too, under arm "shadow", apart from served traffic
-    assert total(server, names.MESHES, version=2, arm="shadow") >= 9
+    assert meshes >= 9
 
 
 def test_a_disagreeing_shadow_is_measured_as_such(server):
+    measured = [(names.SHADOW_AGREEMENT + "_count", dict(version=3, measure="tokens")),
+                (names.SHADOW_AGREEMENT + "_bucket", dict(version=3, measure="tokens", le="0.999"))]
+    before = counts(server, *measured)
+
+    def new():
+        return [a - b for a, b in zip(counts(server, *measured), before)]
+
     set_experiment(server, {"name": "shadow3", "arms": [{"name": "control", "version": 1, "weight": 1}],
                             "shadow": {"version": 3, "share": 1.0}})
     for i in range(3):
         assert generate(server, f"d{i}").model_version == "1"
-    deadline = time.monotonic() + 60
-    while total(server, names.SHADOW_AGREEMENT + "_count", version=3, measure="tokens") < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
-    assert total(server, names.SHADOW_AGREEMENT + "_bucket", version=3, measure="tokens", le="0.999") >= 3
+    wait_until(lambda: new()[0] >= 3, 60, "the 3 shadow copies compared", poll=0.5)
+    compared, disagreeing = new()
+    assert disagreeing >= 3, (compared, disagreeing)
 
 
 def test_a_slow_shadow_never_holds_the_served_answer(server):
@@ -252,15 +295,13 @@ def test_a_slow_shadow_never_holds_the_served_answer(server):
         return total(server, names.SHADOW_REQUESTS, version=4, baseline=1)
 
     before = finished_copies()
+    before_ok = total(server, names.SHADOW_REQUESTS, version=4, baseline=1, outcome="ok")
     served = generate(server, "slow-0")
     # the answer came while its copy (32 times the tokens) was still running: nothing waited on it
     assert served.model_version == "1" and len(served.tokens) == TINY.num_tokens
     assert finished_copies() == before
-    deadline = time.monotonic() + 120
-    while finished_copies() < before + 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
-    assert total(server, names.SHADOW_REQUESTS, version=4, baseline=1, outcome="ok") >= 1
+    wait_until(lambda: finished_copies() >= before + 1, 120, "the slow copy finished", poll=0.5)
+    assert total(server, names.SHADOW_REQUESTS, version=4, baseline=1, outcome="ok") - before_ok >= 1
 
 
 def _engine_pid(server, version: int) -> int:
@@ -269,7 +310,22 @@ def _engine_pid(server, version: int) -> int:
     return pids[0]
 
 
-def test_a_hung_then_dead_shadow_never_fails_served_requests(server):
+@pytest.fixture
+def server_to_break(tmp_path_factory):
+    """A server of the test's own (versions 1 and 3), for a test that kills an engine: Triton
+    2.51 does not start a dead decoupled stub again, so the module's server would keep serving
+    without it for every test after."""
+    triton = start_server(tmp_path_factory, tmp_path_factory.mktemp("experiment") / "experiment.json",
+                          {v: VERSIONS[v] for v in (1, 3)})
+    try:
+        yield triton
+    finally:
+        # Triton's shutdown waits on the dead stub it cannot unload: not what any test checks.
+        triton.stop(timeout=10)
+
+
+def test_a_hung_then_dead_shadow_never_fails_served_requests(server_to_break):
+    server = server_to_break
     set_experiment(server, {"name": "bad-shadow", "arms": [{"name": "control", "version": 1, "weight": 1}],
                             "shadow": {"version": 3, "share": 1.0, "max_in_flight": 2}})
     shadow = _engine_pid(server, 3)
@@ -282,10 +338,9 @@ def test_a_hung_then_dead_shadow_never_fails_served_requests(server):
     try:
         served = [generate(server, f"h{i}") for i in range(5)]
         assert all(r.model_version == "1" and r.arm == "control" for r in served)
-        deadline = time.monotonic() + 30  # each copy ends in its own time, after the served answer
-        while copies("failed", "unavailable", "skipped") - before_bad < 5:
-            assert time.monotonic() < deadline, samples(server)
-            time.sleep(0.5)
+        # each copy ends in its own time, after the served answer
+        wait_until(lambda: copies("failed", "unavailable", "skipped") - before_bad >= 5, 30,
+                   "the 5 copies to the hung shadow ended", poll=0.5)
         assert copies("ok") == before_ok
     finally:
         os.kill(shadow, signal.SIGKILL)  # then it dies
@@ -293,7 +348,5 @@ def test_a_hung_then_dead_shadow_never_fails_served_requests(server):
     before_gone = copies("unavailable")
     served = [generate(server, f"k{i}") for i in range(3)]
     assert all(r.model_version == "1" for r in served)  # still serving
-    deadline = time.monotonic() + 30
-    while copies("unavailable") - before_gone < 1:  # a copy to a dead engine: ended, not waited on forever
-        assert time.monotonic() < deadline, samples(server)
-        time.sleep(0.5)
+    # a copy to a dead engine: ended, not waited on forever
+    wait_until(lambda: copies("unavailable") - before_gone >= 1, 30, "a copy to the dead shadow ended", poll=0.5)
