@@ -104,12 +104,10 @@ def known_requests(repo: Path, resolution: int) -> list[dict]:
 
     from cubeserve.deploy import STREAM_MODEL
     from cubeserve.engine import Engine, GenerationRequest
-    from cubeserve.engine.threads import set_thread_openmp_threads
 
     # One OpenMP thread: a team of several stalls at every barrier when another process holds a
     # core (12 requests: 0.8 s on one thread, 8 s on two, on 2 busy cores; same tokens).
-    set_thread_openmp_threads(1)
-    engine = Engine.from_dir(repo / STREAM_MODEL / "1" / "weights")
+    engine = Engine.from_dir(repo / STREAM_MODEL / "1" / "weights", cpu_threads=1)
     out = []
     with torch.inference_mode():
         for i, prompt in enumerate(PROMPTS):

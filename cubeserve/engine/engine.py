@@ -23,6 +23,7 @@ from cubeserve.engine import fast_paths, geometry
 from cubeserve.engine.cache import prefill_condition
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.sampling import SamplingParams
+from cubeserve.engine.threads import CpuThreads, apply_cpu_threads, decide_cpu_threads
 from cubeserve.model.gpt import SINGLE_BLOCK_MODES, DualStreamGPT
 from cubeserve.model.layers import cast_linears
 from cubeserve.model.text import TextEncoder
@@ -83,7 +84,14 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, gpt: DualStreamGPT, tokenizer: ShapeTokenizer, text: TextEncoder,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 single_block_mode: str = "reference"):
+                 single_block_mode: str = "reference", cpu_threads: int | None = None,
+                 engines_sharing_cpu: int = 1):
+        """`cpu_threads`: PyTorch's intra-op threads (process-wide); None: $OMP_NUM_THREADS if
+        set, else the CPUs the cgroup's quota and the affinity mask allow, divided among the
+        `engines_sharing_cpu` engine processes that share them (`threads.decide_cpu_threads`)."""
+        self.cpu_threads: CpuThreads = decide_cpu_threads(cpu_threads, engines=engines_sharing_cpu)
+        apply_cpu_threads(self.cpu_threads)
+        log.info("engine: %s", self.cpu_threads.describe())
         if single_block_mode not in SINGLE_BLOCK_MODES:
             raise ValueError(f"single_block_mode must be one of {SINGLE_BLOCK_MODES}, got {single_block_mode!r}")
         if text.hidden_size != cfg.gpt.text_model_embed_dim:
@@ -110,12 +118,14 @@ class Engine:
     @classmethod
     def from_dir(cls, weights_dir: str | Path, device: str | torch.device | None = "cpu",
                  dtype: str | torch.dtype = "float32", single_block_mode: str = "reference",
-                 config: ModelConfig | str | None = None) -> "Engine":
+                 config: ModelConfig | str | None = None, cpu_threads: int | None = None,
+                 engines_sharing_cpu: int = 1) -> "Engine":
         device = resolve_device(device)
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         cfg, gpt, tok = load_models(weights_dir, config=config, device="cpu")
         text = TextEncoder(Path(weights_dir) / CLIP_DIR, device=device)
-        return cls(cfg, gpt, tok, text, device=device, dtype=dtype, single_block_mode=single_block_mode)
+        return cls(cfg, gpt, tok, text, device=device, dtype=dtype, single_block_mode=single_block_mode,
+                   cpu_threads=cpu_threads, engines_sharing_cpu=engines_sharing_cpu)
 
     # -- stages ---------------------------------------------------------------------------------
 

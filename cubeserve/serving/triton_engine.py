@@ -32,6 +32,7 @@ from cubeserve.engine.scheduler import EngineStats, Scheduler
 from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol
+from cubeserve.serving.cpu_share import engine_processes
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
 from cubeserve.serving.stubs import end_this_process_after
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
@@ -145,9 +146,12 @@ class EngineModel:
         else:
             device = params.get("device") or "cpu"
         dtype = params.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
+        # The engines of this pod (instances x loaded versions) divide its CPU quota
+        # (serving/cpu_share.py); $OMP_NUM_THREADS, when set, overrides for each of them.
+        engines = engine_processes(json.loads(args["model_config"]), args["model_repository"])
         engine = Engine.from_dir(weights, device=device, dtype=dtype,
                                  single_block_mode=params.get("single_block") or "reference",
-                                 config=params.get("config") or None)
+                                 config=params.get("config") or None, engines_sharing_cpu=engines)
         self.uses_bbox = engine.cfg.gpt.use_bbox
         self.version = args["model_version"]  # every mesh response says it (MODEL_VERSION)
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -162,7 +166,8 @@ class EngineModel:
         self.forwarded_lock = threading.Lock()
         pb_utils.Logger.log_info(
             f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} ({dtype}), "
-            f"{self.scheduler.runner.max_objects} objects in flight, max_queue {self.scheduler.max_queue}")
+            f"{self.scheduler.runner.max_objects} objects in flight, max_queue {self.scheduler.max_queue}; "
+            f"{engine.cpu_threads.describe()}")
 
     def execute(self, requests):
         for request in requests:
