@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= a round table
 CHECKPOINT ?=
 
-.PHONY: install test test-quick serve demo demo-model bench load k8s image image-test pipeline pipelines clean
+.PHONY: install test test-quick serve gateway demo demo-model bench bench-batch load k8s image image-test pipeline pipelines clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ test-quick: install
 # tiny random demo weights are written into the version directories on first use.
 serve: install
 	$(VENV)/bin/cubeserve serve
+
+# Envoy on 127.0.0.1:8080 in front of `make serve`'s server: API keys, quotas in shape tokens,
+# balancing; tenants and keys from GATEWAY_CONFIG (README, "Gateway"). Meter the tenants by
+# starting the server with CUBE3D_TENANTS=team-a,team-b.
+GATEWAY_CONFIG ?= examples/gateway.yaml
+gateway: install
+	$(VENV)/bin/cubeserve gateway --config $(GATEWAY_CONFIG)
 
 # Starts the server, generates through the client, writes outputs/demo.glb and outputs/demo.png,
 # prints the timings and stops the server.

@@ -152,6 +152,55 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_gateway(args) -> int:
+    """Render the gateway file as Envoy's configuration, validate it, run Envoy (README, "Gateway")."""
+    from cubeserve.gateway import config as gateway_config
+    from cubeserve.gateway.envoy import Gateway, validate, write
+
+    if args.new_key:
+        print(gateway_config.new_key())
+        return 0
+    if not args.config:
+        raise ValueError("cubeserve gateway: give --config FILE (or --new-key)")
+    cfg = gateway_config.load(args.config)
+    if args.check:
+        with tempfile.TemporaryDirectory() as folder:
+            validate(cfg, write(cfg, Path(folder)))
+        print(f"{args.config}: valid; Envoy accepts the rendered configuration")
+        return 0
+    gateway = Gateway(cfg, concurrency=args.concurrency).start()
+    backends = ", ".join(f"{host}:{port}" for host, port in cfg.backends)
+    print(f"gateway on {gateway.url} (Envoy pid {gateway.process.pid}, admin and stats {gateway.admin_url}) "
+          f"-> {backends}; tenants {', '.join(cfg.tenant_ids)}; an object costs {cfg.tokens_per_object} shape "
+          f"tokens ({cfg.model}); servers meter these tenants when started with "
+          f"CUBE3D_TENANTS={','.join(cfg.tenant_ids)}; Ctrl-C stops it", flush=True)
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        gateway.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        gateway.stop()
+    return 0
+
+
+def cmd_usage(args) -> int:
+    from cubeserve.gateway import usage
+
+    try:
+        rows = usage.usage(args.prometheus, args.since)
+    except (OSError, RuntimeError) as exc:  # unreachable, or a refused query
+        print(f"error: Prometheus at {args.prometheus}: {exc}", file=sys.stderr)
+        return 2
+    print(usage.as_csv(rows) if args.csv else usage.as_table(rows), end="\n" if not args.csv else "")
+    return 0
+
+
 def _train_settings(args):
     from dataclasses import replace
 
@@ -252,6 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--resolution", type=int, default=6)
     d.set_defaults(func=cmd_demo)
+
+    gw = sub.add_parser("gateway", help="Envoy on 127.0.0.1 in front of predict-API servers: API keys, "
+                                        "per-tenant quotas in shape tokens, balancing (README, \"Gateway\")")
+    gw.add_argument("--config", help="the gateway file (examples/gateway.yaml)")
+    gw.add_argument("--check", action="store_true", help="render and validate with Envoy, do not run")
+    gw.add_argument("--new-key", action="store_true", help="print a new random API key for a tenant")
+    gw.add_argument("--concurrency", type=int, default=2, help="Envoy worker threads")
+    gw.set_defaults(func=cmd_gateway)
+
+    u = sub.add_parser("usage", help="per-tenant usage (requests, objects, shape tokens, engine seconds) "
+                                     "from Prometheus")
+    u.add_argument("--prometheus", required=True, help="Prometheus URL, e.g. http://127.0.0.1:9090")
+    u.add_argument("--since", default="24h", help="window, a Prometheus duration (24h, 7d)")
+    u.add_argument("--csv", action="store_true", help="CSV instead of a table")
+    u.set_defaults(func=cmd_usage)
 
     t = sub.add_parser("train", help="train the demo model on procedural shapes (CPU, minutes)")
     t.add_argument("stage", choices=["tokenizer", "gpt", "all"],

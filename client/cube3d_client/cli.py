@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-version", default="")
     p.add_argument("--host", help="Host header / gRPC authority of a KServe InferenceService")
     p.add_argument("--user", help="user key of an experiment (header x-cube3d-user): one user, one arm")
+    p.add_argument("--api-key", default=os.environ.get("CUBE3D_API_KEY"),
+                   help="your team's key for the gateway (default $CUBE3D_API_KEY; README, \"Gateway\")")
     p.add_argument("--ssl", action="store_true")
     p.add_argument("--out", default="output.glb", help=".glb or .obj")
     p.add_argument("--preview", help="also write a PNG preview")
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     fmt = out.suffix.lstrip(".").lower() or "glb"
     client = Cube3DClient(args.url, args.protocol, model=args.model, stream_model=args.stream_model,
                           model_version=args.model_version, host=args.host, timeout=args.timeout,
-                          retries=args.retries, ssl=args.ssl, user=args.user)
+                          retries=args.retries, ssl=args.ssl, user=args.user,
+                          api_key=args.api_key)
     on_progress = bar = None
     if args.progress:
         from tqdm import tqdm

@@ -87,7 +87,8 @@ class Cube3DClient:
     def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = PREDICT_MODEL,
                  stream_model: str = STREAM_MODEL, model_version: str = "", host: str | None = None,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False,
-                 mesh_encoding: str = "binary", user: str | None = None, arm: str | None = None):
+                 mesh_encoding: str = "binary", user: str | None = None, arm: str | None = None,
+                 api_key: str | None = None):
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
         if mesh_encoding not in MESH_ENCODINGS:
@@ -99,6 +100,7 @@ class Cube3DClient:
         # The user key of an experiment (sent as the header x-cube3d-user): one user, one arm;
         # or an arm pinned by name (x-cube3d-arm), e.g. to check one arm by hand.
         self.user, self.arm = user, arm
+        self.api_key = api_key  # a tenant's key for the gateway (README, "Gateway"), sent as a bearer token
         self._client = None
 
     # -- transport ------------------------------------------------------------------------------
@@ -132,6 +134,8 @@ class Cube3DClient:
             headers[USER_KEY] = self.user
         if self.arm:
             headers[PIN_ARM_KEY] = self.arm
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
         return headers or None
 
     def _inputs(self, values: dict):

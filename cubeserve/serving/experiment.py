@@ -41,6 +41,10 @@ from cubeserve.requests import InvalidRequest
 # or the same name as a request parameter in the body.
 USER_KEY = "x-cube3d-user"
 PIN_ARM_KEY = "x-cube3d-arm"
+# The tenant a request is served for: set by the gateway (cubeserve/gateway), which overwrites
+# whatever a client sent. Forwarded to the models as USER_KEY is; an experiment assigns a request
+# without a user key by its tenant, and the per-tenant meters (serving/metrics.py) count it.
+TENANT_KEY = "x-cube3d-tenant"
 EXPERIMENT_FILE_ENV = "CUBE3D_EXPERIMENT_FILE"
 EXPERIMENT_PARAMETER = "experiment"  # the config.pbtxt parameter of the predict model
 MAX_WEIGHT = 1_000_000

@@ -20,6 +20,14 @@ the version whose answer the client got):
     cube3d_shadow_requests_total{outcome}             counter (outcomes as above, or "skipped")
     cube3d_shadow_request_duration_seconds            histogram, shadow copies that succeeded
     cube3d_shadow_agreement{measure}                  histogram in [0, 1]
+Usage per tenant (the gateway's tenant header, experiment.TENANT_KEY), recorded by the predict
+model, `version` the one that served; `cubeserve usage` reads them back:
+    cube3d_tenant_requests_total{tenant, outcome}     counter
+    cube3d_tenant_objects_total{tenant}               counter, meshes made
+    cube3d_tenant_shape_tokens_total{tenant}          counter, shape tokens generated
+    cube3d_tenant_engine_seconds_total{tenant}        counter, decode + geometry seconds
+`tenant` is bounded: one of the ids in $CUBE3D_TENANTS (the gateway's tenants, from its key
+file), "other" for any other value a client sent past the gateway, "" without one.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ MESHES = "cube3d_meshes_total"
 SHADOW_REQUESTS = "cube3d_shadow_requests_total"
 SHADOW_DURATION = "cube3d_shadow_request_duration_seconds"
 SHADOW_AGREEMENT = "cube3d_shadow_agreement"
+TENANT_REQUESTS = "cube3d_tenant_requests_total"
+TENANT_OBJECTS = "cube3d_tenant_objects_total"
+TENANT_SHAPE_TOKENS = "cube3d_tenant_shape_tokens_total"
+TENANT_ENGINE_SECONDS = "cube3d_tenant_engine_seconds_total"
 
 # outcome label values
 OK = "ok"
@@ -61,3 +73,18 @@ DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512)
 QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 AGREEMENT_BUCKETS = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999, 1.0)  # 0.999 < x <= 1: identical
+
+# The tenant label's values (see the docstring): the environment variable lists the ids.
+TENANTS_ENV = "CUBE3D_TENANTS"
+OTHER_TENANT = "other"
+
+
+def known_tenants(text: str | None) -> frozenset[str]:
+    """The tenant ids of $CUBE3D_TENANTS ("team-a,team-b")."""
+    return frozenset(t.strip() for t in (text or "").split(",") if t.strip())
+
+
+def tenant_label(value: str | None, known: frozenset[str]) -> str:
+    if not value:
+        return ""
+    return value if value in known else OTHER_TENANT

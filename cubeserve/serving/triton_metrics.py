@@ -27,6 +27,10 @@ _FAMILIES = {
     names.MESHES: ("Meshes made, by quality (ok, empty, not_watertight)", "COUNTER", None),
     names.SHADOW_REQUESTS: ("Shadow copies of requests, by outcome (or skipped)", "COUNTER", None),
     names.SHADOW_DURATION: ("Duration of shadow copies that succeeded", "HISTOGRAM", names.DURATION_BUCKETS),
+    names.TENANT_REQUESTS: ("Requests answered per tenant (the gateway's), by outcome", "COUNTER", None),
+    names.TENANT_OBJECTS: ("Meshes made per tenant", "COUNTER", None),
+    names.TENANT_SHAPE_TOKENS: ("Shape tokens generated per tenant", "COUNTER", None),
+    names.TENANT_ENGINE_SECONDS: ("Engine seconds (decode and geometry) per tenant", "COUNTER", None),
     names.SHADOW_AGREEMENT: ("Agreement of a shadow's answer with the served one (tokens: share of equal "
                              "tokens, greedy requests; mesh_iou: sampled requests)", "HISTOGRAM",
                              names.AGREEMENT_BUCKETS),
@@ -84,6 +88,21 @@ class Measurements:
             self.observe(names.TIME_PER_OUTPUT_TOKEN, labels, decode_seconds / tokens)
         self.observe(names.QUEUE_TIME, labels, queue_seconds)
         self.count(names.MESHES, {**labels, "quality": quality})
+
+    def tenants_loaded(self, version, tenants) -> None:
+        """Each known tenant's usage series at zero from the load on, so that Prometheus's
+        increase() counts a tenant's first request too (a series first seen at 1 is not)."""
+        for tenant in tenants:
+            self.usage(version, tenant, names.OK, 0, 0.0, count=0.0)
+
+    def usage(self, version, tenant: str, outcome: str, tokens: int, engine_seconds: float,
+              count: float = 1.0) -> None:
+        labels = {"version": str(version), "tenant": tenant}
+        self.count(names.TENANT_REQUESTS, {**labels, "outcome": outcome}, count)
+        if outcome == names.OK:
+            self.count(names.TENANT_OBJECTS, labels, count)
+            self.count(names.TENANT_SHAPE_TOKENS, labels, float(tokens))
+            self.count(names.TENANT_ENGINE_SECONDS, labels, engine_seconds)
 
     def shadow(self, version, baseline, outcome: str, seconds: float = 0.0) -> None:
         labels = {"version": str(version), "baseline": str(baseline)}

@@ -115,6 +115,7 @@ class Forward(Reply):
         self.id = f"cube3d-{uuid.uuid4().hex}"
         self.version, self.arm = version, arm
         self.started = time.monotonic()
+        self.tokens, self.engine_seconds = 0, 0.0  # of its mesh, for the tenant's usage
         self.cancel_sent = False
         self._claim_lock = threading.Lock()
         self._claimed = False
@@ -180,6 +181,8 @@ class PredictModel:
         self.drain = Drain(args)
         self.measurements = Measurements(args["model_name"])
         self.measurements.loaded(self.version)
+        self.tenants = metric_names.known_tenants(os.environ.get(metric_names.TENANTS_ENV))
+        self.measurements.tenants_loaded(self.version, self.tenants)
         self.experiments = ExperimentSource(params.get(experiment.EXPERIMENT_PARAMETER, ""),
                                             os.environ.get(experiment.EXPERIMENT_FILE_ENV, ""), self.engine_model)
         self.watchdog = threading.Thread(target=self._watch, name="cube3d-watchdog", daemon=True)
@@ -235,6 +238,8 @@ class PredictModel:
         if not forward.claim():
             return
         self.measurements.request(forward.version, forward.arm, outcome, time.monotonic() - forward.started)
+        self.measurements.usage(forward.version, self._tenant(forward.request), outcome, forward.tokens,
+                                forward.engine_seconds)
         forward.send(answer)
 
     def _route(self, request) -> tuple[Forward, ServedAnswer | None]:
@@ -244,7 +249,9 @@ class PredictModel:
         if current is None:
             return Forward(request, self.drain, self.version), None
         request_parameters = json.loads(request.parameters() or "{}")
-        arm = current.arm_for(_parameter(request_parameters, experiment.USER_KEY),
+        # Without a user key, the gateway's tenant keeps a team on one arm.
+        arm = current.arm_for(_parameter(request_parameters, experiment.USER_KEY)
+                              or _parameter(request_parameters, experiment.TENANT_KEY),
                               _parameter(request_parameters, experiment.PIN_ARM_KEY))
         forward = Forward(request, self.drain, arm.version if arm else self.version, arm.name if arm else "")
         if not current.shadowed():
@@ -316,8 +323,28 @@ class PredictModel:
         outcome, answer, outputs = self._exec(forward, arrays, request.timeout(), keep_outputs)
         if outcome != metric_names.OK:
             return outcome, answer, None
+        self._measure_work(forward, answer)
         arm = pb_utils.Tensor("ARM", np.array([forward.arm.encode()], dtype=np.object_))
         return outcome, pb_utils.InferenceResponse(output_tensors=[*answer.output_tensors(), arm]), outputs
+
+    def _tenant(self, request) -> str:
+        """The request's tenant label (metrics.tenant_label: bounded by $CUBE3D_TENANTS)."""
+        try:
+            value = _parameter(json.loads(request.parameters() or "{}"), experiment.TENANT_KEY)
+        except Exception:  # noqa: BLE001 - metering never fails a request
+            value = None
+        return metric_names.tenant_label(value, self.tenants)
+
+    @staticmethod
+    def _measure_work(forward: Forward, answer) -> None:
+        """The shape tokens and engine seconds (decode and geometry, not the queue) of the mesh."""
+        try:
+            outputs = {t.name(): t.as_numpy() for t in answer.output_tensors()}
+            forward.tokens = int(outputs["SHAPE_TOKENS"].size)
+            timings = json.loads(bytes(outputs["TIMINGS"].reshape(-1)[0]))
+            forward.engine_seconds = float(timings.get("tokens_s") or 0) + float(timings.get("geometry_s") or 0)
+        except Exception as exc:  # noqa: BLE001 - metering never fails a request
+            pb_utils.Logger.log_warn(f"measuring the work of {forward.id} failed: {exc}")
 
     # -- the shadow test --------------------------------------------------------------------------
 

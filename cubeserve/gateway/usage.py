@@ -1,0 +1,81 @@
+"""`cubeserve usage`: what each tenant used over a window, from the servers' per-tenant counters
+(serving/metrics.py, cube3d_tenant_*) in Prometheus: requests by outcome, objects, shape tokens and
+engine seconds, per tenant and model version, as a table or CSV.
+
+Exact, not PromQL's increase() (which extrapolates to the window's edges: 32 tokens read as 39):
+each series' raw samples in the window, summed step by step, a drop being a counter reset (a
+restarted server) from which the new value counts. What a series held before its first sample
+in the window is not counted; the servers create each known tenant's series at 0 when they load
+(serving/triton_metrics.py), so a tenant's first request is.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import urllib.parse
+import urllib.request
+
+from cubeserve.serving import metrics as names
+
+COLUMNS = ("tenant", "version", *names.OUTCOMES, "objects", "shape_tokens", "engine_seconds")
+_WINDOW = re.compile(r"[0-9]+[smhdw]")
+NO_TENANT = "(none)"  # requests that did not come through the gateway
+
+
+def query(prometheus: str, promql: str, timeout: float = 30.0) -> list[dict]:
+    url = prometheus.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        body = json.loads(r.read())
+    if body.get("status") != "success":
+        raise RuntimeError(f"Prometheus refused {promql!r}: {body.get('error')}")
+    return body["data"]["result"]
+
+
+def increase(values: list[float]) -> float:
+    """What a counter's samples grew by, resets included."""
+    total = 0.0
+    for previous, value in zip(values, values[1:]):
+        total += value - previous if value >= previous else value
+    return total
+
+
+def usage(prometheus: str, since: str) -> list[dict]:
+    """One row per (tenant, version) with any request in the last `since` (e.g. 24h, 7d)."""
+    if not _WINDOW.fullmatch(since):
+        raise ValueError(f"--since: a Prometheus duration like 24h, 7d or 30m, got {since!r}")
+    rows: dict[tuple[str, str], dict] = {}
+    columns = [(names.TENANT_REQUESTS, None), (names.TENANT_OBJECTS, "objects"),
+               (names.TENANT_SHAPE_TOKENS, "shape_tokens"), (names.TENANT_ENGINE_SECONDS, "engine_seconds")]
+    for metric, column in columns:
+        for series in query(prometheus, f"{metric}[{since}]"):
+            labels = series["metric"]
+            key = (labels.get("tenant", "") or NO_TENANT, labels.get("version", ""))
+            row = rows.setdefault(key, {"tenant": key[0], "version": key[1], **{c: 0 for c in COLUMNS[2:]}})
+            name = column or labels.get("outcome", "")
+            if name in row:
+                row[name] += increase([float(v) for _, v in series["values"]])
+    for row in rows.values():
+        for c in COLUMNS[2:]:
+            row[c] = round(row[c], 1) if c == "engine_seconds" else round(row[c])
+    used = [r for r in rows.values() if any(r[c] for c in COLUMNS[2:])]
+    return sorted(used, key=lambda r: (r["tenant"], r["version"]))
+
+
+def as_csv(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def as_table(rows: list[dict]) -> str:
+    if not rows:
+        return "no usage in this window"
+    cells = [list(COLUMNS)] + [[str(r[c]) for c in COLUMNS] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
+                     for line in cells)

