@@ -50,6 +50,11 @@ demo-model: install
 bench: install
 	$(PY) -m bench
 
+# The batch pipeline (`cubeserve batch` on an embedded Ray) against the in-process engine's loop:
+# 200 prompts of the demo model, 1 and 2 decode actors. Writes BENCHMARKS.md's batch section.
+bench-batch: install
+	$(PY) -m bench.batch --rows 200
+
 # Load and soak test of the local server: CLIENTS threads for DURATION seconds over REST, gRPC and
 # the gRPC stream, every result checked; fails on a lost or wrong result or on server memory growth.
 # Writes BENCHMARKS.md's load section.
@@ -62,8 +67,9 @@ load: install
 k8s: install
 	$(PY) -m pytest -q tests/test_k8s.py tests/test_rollout.py
 
-# Compile the checkpoint pipeline for your runtime image: outputs/cube3d-checkpoint-rollout.yaml,
-# the file to upload in the Kubeflow UI. IMAGE is the image `make image` built and you pushed.
+# Compile the pipelines for your runtime image: outputs/cube3d-checkpoint-rollout.yaml and
+# outputs/cube3d-batch-generate.yaml, the files to upload in the Kubeflow UI. IMAGE is the image
+# `make image` built and you pushed.
 pipelines: install
 	test -n "$(IMAGE)" || (echo "usage: make pipelines IMAGE=REGISTRY/cube-serve:TAG"; exit 1)
 	$(PY) -m kfp_pipelines.compile --image $(IMAGE)

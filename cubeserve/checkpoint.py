@@ -244,6 +244,17 @@ def load_models(weights_dir: str | Path, config: ModelConfig | str | None = None
     return cfg, gpt.eval(), tok.eval()
 
 
+def load_tokenizer(weights_dir: str | Path, config: ModelConfig | str | None = None,
+                   device: torch.device | str = "cpu") -> tuple[ModelConfig, ShapeTokenizer]:
+    """The shape tokenizer alone (validated, strict, fp32): what turns tokens into meshes, for a
+    process that never decodes (the batch pipeline's geometry stage) and so needs no GPT."""
+    weights_dir = Path(weights_dir)
+    cfg, _, _ = validate_dir(weights_dir, config)
+    _, tok = build_models(cfg, "meta")
+    _load_into(tok, weights_dir / TOKENIZER_FILE, device)
+    return cfg, tok.eval()
+
+
 def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -58,6 +58,33 @@ def cmd_generate(args) -> int:
     return 0 if not result.mesh.empty else 3
 
 
+def cmd_batch(args) -> int:
+    """A prompts file through the Ray Data pipeline (cubeserve/batch/); exit 3 when a row failed."""
+    from cubeserve import storage
+    from cubeserve.batch import rows
+    from cubeserve.batch.run import Settings, run
+    from cubeserve.deploy import STREAM_MODEL
+
+    if (args.weights is None) == (args.version is None):
+        raise ValueError("give either --weights DIR or --version N (with --model-store)")
+    weights = args.weights
+    if args.version is not None:
+        if not args.model_store:
+            raise ValueError("--version N takes the weights from the model store: give --model-store URI")
+        # Version N's weights, as the pipeline packaged them (cubeserve.pipeline.steps.package).
+        weights = storage.join(args.model_store, str(args.version), STREAM_MODEL, str(args.version), "weights") + "/"
+    defaults = rows.Defaults(seed=args.seed, guidance=args.guidance, top_p=args.top_p,
+                             temperature=args.temperature, resolution=args.resolution, format=args.format)
+    settings = Settings(weights=weights, out=args.out, device=args.device, dtype=args.compute_dtype,
+                        decode_actors=args.decode_actors, decode_cpus=args.decode_cpus,
+                        geometry_actors=args.geometry_actors, max_objects=args.max_objects,
+                        batch_size=args.batch_size, preview=args.preview, retry_failed=args.retry_failed,
+                        address=args.address, defaults=defaults)
+    summary = run(args.prompts, settings, progress=not args.no_progress)
+    print(summary.text())
+    return 3 if summary.failed else 0
+
+
 def cmd_info(args) -> int:
     from cubeserve.checkpoint import describe
     from cubeserve.config import get_config
@@ -270,6 +297,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-tokens", help="write the shape token ids as a JSON list")
     g.add_argument("--preview", help="write a PNG preview of the mesh")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("batch", help="a prompts file (JSONL or Parquet) -> meshes and a results table, on Ray")
+    b.add_argument("prompts", help="JSONL or Parquet, local or s3://: one object per row (prompt, optional id, "
+                                   "seed, guidance, top_p, temperature, resolution, bbox, format)")
+    b.add_argument("--weights", help="weights directory, local or s3://")
+    b.add_argument("--version", type=int, help="model store version N instead of --weights")
+    b.add_argument("--model-store", help="the model store of --version (as the pipeline's model_store)")
+    b.add_argument("--out", required=True, help="where <id>.<format> and results/ go, local or s3://")
+    b.add_argument("--address", help="a running Ray cluster (auto: the one this node belongs to); "
+                                     "default: an embedded Ray on this machine")
+    b.add_argument("--device", default="auto", help="the decode actors' device: cpu, cuda or auto")
+    b.add_argument("--dtype", dest="compute_dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: bfloat16 where the decode actors have CUDA, float32 on the CPU")
+    b.add_argument("--decode-actors", type=int, default=1, help="engines (one GPU each on CUDA)")
+    b.add_argument("--decode-cpus", type=int, default=1, help="CPU threads per decode actor (CPU decoding)")
+    b.add_argument("--geometry-actors", type=int, default=1, help="most CPU actors for marching cubes")
+    b.add_argument("--max-objects", type=int, default=8, help="objects decoding together per actor")
+    b.add_argument("--batch-size", type=int, default=16, help="rows per decode task")
+    b.add_argument("--preview", action="store_true", help="also write <id>.png")
+    b.add_argument("--retry-failed", action="store_true", help="run the rows an earlier run failed again")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--seed", type=int, default=0, help="for rows without one (as every option below)")
+    b.add_argument("--guidance", type=float, default=3.0)
+    b.add_argument("--top-p", type=float, default=None)
+    b.add_argument("--temperature", type=float, default=None)
+    b.add_argument("--resolution", type=int, default=8)
+    b.add_argument("--format", choices=["glb", "obj"], default="glb")
+    b.set_defaults(func=cmd_batch)
 
     i = sub.add_parser("info", help="sizes of a config, from the model built on the meta device")
     i.add_argument("--config", default="v0.1")

@@ -294,10 +294,16 @@ def download_dir(uri: str, local_dir: str | Path) -> list[str]:
 def read_text(uri: str) -> str | None:
     """The UTF-8 text of one object, or None when it does not exist (a missing bucket is an
     error, not an absent object)."""
+    data = read_bytes(uri)
+    return None if data is None else data.decode("utf-8")
+
+
+def read_bytes(uri: str) -> bytes | None:
+    """The bytes of one object, or None when it does not exist (as read_text)."""
     location = _parse(uri)
     if isinstance(location, Path):
         try:
-            return location.read_text(encoding="utf-8")
+            return location.read_bytes()
         except FileNotFoundError:
             return None
         except IsADirectoryError:
@@ -310,7 +316,7 @@ def read_text(uri: str) -> str | None:
             body = client.get_object(Bucket=location.bucket, Key=location.key)["Body"]
         except client.exceptions.NoSuchKey:
             return None
-        return body.read().decode("utf-8")
+        return body.read()
 
 
 def write_bytes(uri: str, data: bytes, content_type: str = "application/octet-stream") -> None:
@@ -457,6 +463,12 @@ def list_dirs(uri: str) -> list[str]:
     with _s3_errors(uri, location, "list"):
         _, prefixes = _list(client, location, prefix, delimiter="/")
     return sorted(p[len(prefix):].rstrip("/") for p in prefixes)
+
+
+def local_path(uri: str) -> Path | None:
+    """The local path a URI names (a plain path or file://), None for an object-store URI."""
+    location = _parse(uri)
+    return location if isinstance(location, Path) else None
 
 
 def exists(uri: str) -> bool:

@@ -561,8 +561,9 @@ def test_dockerfile_builds_the_runtime_the_manifests_expect():
         [deploy.HTTP_PORT, deploy.GRPC_PORT, deploy.METRICS_PORT]
     runs = " ".join(by("RUN"))
     assert '"torch==${TORCH_VERSION}"' in runs and "ARG" in dict(steps) and "TORCH_VERSION=2.13.0" in by("ARG")
-    # Warp (marching cubes on the GPU), everything the pipeline's steps import, the supervisor's front end
-    assert 'pip install --no-cache-dir ".[gpu,pipeline,front]"' in runs
+    # Warp (marching cubes on the GPU), everything the pipeline's steps import, the supervisor's front
+    # end, Ray Data for `cubeserve batch` on a RayJob's pods (k8s/batch/)
+    assert 'pip install --no-cache-dir ".[gpu,pipeline,front,batch]"' in runs
     assert ["models/demo", f"./triton_models/{deploy.STREAM_MODEL}/1/weights"] in copies
     # The build context's filter keeps local weights out of the image.
     ignore = (REPO / "k8s" / "Dockerfile.dockerignore").read_text().split()
@@ -684,7 +685,11 @@ def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
         # Serverless state: the storageUri of each revision the status names.
         (("serving.knative.dev",), ("revisions",), ()): ["get"],
     }
-    # Both Roles are bound to the account the README tells users to run as.
+    # The batch pipeline's step: create its RayJob, read it until it ends (tests/test_batch.py
+    # records the calls against the KubeRay stand-in).
+    assert [(r["apiGroups"], r["resources"], sorted(r["verbs"]), r.get("resourceNames"))
+            for r in roles["cube-serve-batch"]["rules"]] == [(["ray.io"], ["rayjobs"], ["create", "get"], None)]
+    # Every Role is bound to the account the README tells users to run as.
     assert {b["roleRef"]["name"] for b in bindings} == set(roles)
     for binding in bindings:
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]

@@ -40,6 +40,9 @@ SWEEP_INTERVAL_S = 0.25
 # kernels are scheduled ahead of the occupancy queries and marching cubes queued beside them.
 DECODE_STREAM_PRIORITY = -1
 GEOMETRY_STREAM_PRIORITY = 0
+# The slot buckets whose decode steps are captured as CUDA graphs (the runner adds max_objects);
+# the batch pipeline's decode actors capture the same (cubeserve/batch/stages.py).
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class EngineStats:
@@ -132,7 +135,7 @@ class Ticket:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_objects: int = 8, stats: EngineStats | None = None,
-                 graphs: bool | None = None, graph_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                 graphs: bool | None = None, graph_buckets: tuple[int, ...] = GRAPH_BUCKETS,
                  max_queue: int | None = None, mesh_process: bool = True):
         """`graphs`: capture the decode step as CUDA graphs at start-up (default: on CUDA).
         `mesh_process`: scikit-image's marching cubes in a child process (`mesh_worker`).
