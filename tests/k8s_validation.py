@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import difflib
 import gzip
+import http.server
 import importlib
 import importlib.util
 import json
@@ -471,3 +472,42 @@ def request_attributes(method: str, path: str) -> tuple[str, str, str, str, str]
     verb = {"GET": "get" if name else "list", "PATCH": "patch", "POST": "create", "PUT": "update",
             "DELETE": "delete"}[method]
     return group, resource, verb, name, namespace
+
+
+class ApiHandler(http.server.BaseHTTPRequestHandler):
+    """What the stand-in API servers share: JSON answers, errors as metav1.Status, and a 403 for
+    every request the service account's Role does not allow (RBAC's rule match, `rbac_allows`),
+    each decision recorded. A subclass sets `api` (an object with `rules`, None for no RBAC, and
+    `authorized`, a list) and `namespace`, and handles the verbs."""
+
+    api = None
+    namespace = ""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code, reason, message=""):
+        self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                          "reason": reason, "message": message})
+
+    def _forbidden(self, method, path) -> bool:
+        if self.api.rules is None:
+            return False
+        group, resource, verb, name, namespace = request_attributes(method, path)
+        allowed = namespace == self.namespace and rbac_allows(self.api.rules, group, resource, verb, name)
+        self.api.authorized.append(((group, resource, verb, name, namespace), allowed))
+        if not allowed:
+            kind = f"{resource}.{group}" if group else resource
+            self._error(403, "Forbidden", f'{kind} "{name}" is forbidden: User '
+                        f'"system:serviceaccount:{self.namespace}:cube-serve-pipeline" cannot '
+                        f'{verb} resource "{resource}" in API group "{group}"'
+                        + (f' in the namespace "{namespace}"' if namespace else " at the cluster scope"))
+        return not allowed

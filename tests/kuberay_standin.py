@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 
 import jsonschema
 
-from k8s_validation import _close, rbac_allows, request_attributes
+from k8s_validation import ApiHandler, _close
 
 DATA = Path(__file__).resolve().parent / "data" / "kuberay"
 KUBERAY_RELEASE = "v1.7.0"
@@ -138,33 +138,8 @@ class KubeRayStandIn:
         schema = rayjob_schema()
         stub = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _error(self, code, reason, message=""):
-                self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
-                                  "reason": reason, "message": message})
-
-            def _forbidden(self, method, path) -> bool:
-                if stub.rules is None:
-                    return False
-                group, resource, verb, name, namespace = request_attributes(method, path)
-                allowed = namespace == NAMESPACE and rbac_allows(stub.rules, group, resource, verb, name)
-                stub.authorized.append(((group, resource, verb, name, namespace), allowed))
-                if not allowed:
-                    self._error(403, "Forbidden", f'{resource}.{group} "{name}" is forbidden: User '
-                                f'"system:serviceaccount:{NAMESPACE}:cube-serve-pipeline" cannot {verb} resource '
-                                f'"{resource}" in API group "{group}" in the namespace "{namespace}"')
-                return not allowed
+        class Handler(ApiHandler):
+            api, namespace = stub, NAMESPACE
 
             def do_POST(self):
                 path = urlparse(self.path).path

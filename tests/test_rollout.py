@@ -21,8 +21,8 @@ import yaml
 from cubeserve import rollout as r
 from cubeserve.rollout import cli, plans
 from cubeserve.rollout.preflight import ClusterFacts, check
-from k8s_validation import (GATEWAY_API_RELEASES, crd_errors, find, gateway_api_errors, kserve_crd, rbac_allows, render,
-                            request_attributes, require_crds, require_releases, supported_releases, validate)
+from k8s_validation import (GATEWAY_API_RELEASES, ApiHandler, crd_errors, find, gateway_api_errors, kserve_crd,
+                            render, require_crds, require_releases, supported_releases, validate)
 from kserve_standin import ApiError, KServeController, ObjectStore
 
 BASE = "s3://replace-me-model-bucket/cube3d"
@@ -975,35 +975,8 @@ class StubApiServer:
         strict = require_crds(release)
         stub = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, code, body):
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _error(self, code, reason, message=""):
-                self._send(code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
-                                  "reason": reason, "message": message})
-
-            def _forbidden(self, method, path) -> bool:
-                if stub.rules is None:
-                    return False
-                group, resource, verb, name, namespace = request_attributes(method, path)
-                allowed = namespace == "models" and rbac_allows(stub.rules, group, resource, verb, name)
-                stub.authorized.append(((group, resource, verb, name, namespace), allowed))
-                if not allowed:
-                    kind = f"{resource}.{group}" if group else resource
-                    self._error(403, "Forbidden", f'{kind} "{name}" is forbidden: User '
-                                '"system:serviceaccount:models:cube-serve-pipeline" cannot '
-                                f'{verb} resource "{resource}" in API group "{group}"'
-                                + (f' in the namespace "{namespace}"' if namespace else " at the cluster scope"))
-                return not allowed
+        class Handler(ApiHandler):
+            api, namespace = stub, "models"
 
             def do_GET(self):
                 url = urlparse(self.path)
