@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from cubeserve import deploy
+from cubeserve.config import QUANTIZATIONS
 
 
 def _bbox(text: str) -> tuple[float, float, float]:
@@ -35,7 +36,7 @@ def cmd_generate(args) -> int:
     )
     t0 = time.perf_counter()
     engine = Engine.from_dir(args.weights, device=args.device, dtype=args.dtype,
-                             single_block_mode=args.single_block)
+                             single_block_mode=args.single_block, quantization=args.quantization)
     load_s = time.perf_counter() - t0
     result = engine.generate([request])[0]
     if result.mesh.empty:
@@ -50,7 +51,9 @@ def cmd_generate(args) -> int:
         mesh = result.mesh
         Path(args.preview).write_bytes(render_preview(mesh.vertices, mesh.faces, message=mesh.message))
     n = len(result.tokens)
-    print(f"prompt: {args.prompt!r}  device: {engine.device}  dtype: {args.dtype}  tokens: {n}")
+    dtype = str(engine.dtype).removeprefix("torch.")
+    quantized = f"  weights: {engine.quantization}" if engine.quantization != "none" else ""
+    print(f"prompt: {args.prompt!r}  device: {engine.device}  dtype: {dtype}{quantized}  tokens: {n}")
     t = result.stages
     print(f"time per output token: {t.time_per_token_s * 1e3:.2f} ms")
     print(f"stages: load {load_s:.3f} s  tokens {t.tokens_s:.3f} s  geometry {t.geometry_s:.3f} s")
@@ -76,6 +79,7 @@ def cmd_batch(args) -> int:
     defaults = rows.Defaults(seed=args.seed, guidance=args.guidance, top_p=args.top_p,
                              temperature=args.temperature, resolution=args.resolution, format=args.format)
     settings = Settings(weights=weights, out=args.out, device=args.device, dtype=args.compute_dtype,
+                        quantization=args.quantization,
                         decode_actors=args.decode_actors, decode_cpus=args.decode_cpus,
                         geometry_actors=args.geometry_actors, max_objects=args.max_objects,
                         batch_size=args.batch_size, preview=args.preview, retry_failed=args.retry_failed,
@@ -293,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--single-block", choices=["reference", "causal"], default="reference")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
+                   help="compute dtype (default: bfloat16 on CUDA and on CPUs with native bf16 "
+                        "(AMX, AVX-512 BF16), float32 elsewhere)")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="the GPT's weights as int8 (per channel) or int4 (grouped), weight-only")
     g.add_argument("--save-tokens", help="write the shape token ids as a JSON list")
     g.add_argument("--preview", help="write a PNG preview of the mesh")
     g.set_defaults(func=cmd_generate)
@@ -309,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "default: an embedded Ray on this machine")
     b.add_argument("--device", default="auto", help="the decode actors' device: cpu, cuda or auto")
     b.add_argument("--dtype", dest="compute_dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: bfloat16 where the decode actors have CUDA, float32 on the CPU")
+                   help="default: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere")
+    b.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="the GPT's weights as int8 or int4, weight-only (as generate)")
     b.add_argument("--decode-actors", type=int, default=1, help="engines (one GPU each on CUDA)")
     b.add_argument("--decode-cpus", type=int, default=1, help="CPU threads per decode actor (CPU decoding)")
     b.add_argument("--geometry-actors", type=int, default=1, help="most CPU actors for marching cubes")
@@ -405,9 +414,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if getattr(args, "dtype", "unset") is None:
-        from cubeserve.engine.engine import resolve_device
-        args.dtype = "bfloat16" if resolve_device(args.device).type == "cuda" else "float32"
     from cubeserve.checkpoint import CheckpointError
 
     try:

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import yaml
 
+# Weight-only quantization of the GPT's products (engine/fast_paths.py): torch-free here so the
+# CLI and the serving config can name the choices without importing the engine.
+QUANTIZATIONS = ("none", "int8", "int4")
+
 
 @dataclass(frozen=True)
 class GPTConfig:

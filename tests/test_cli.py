@@ -32,7 +32,7 @@ def test_info_json(config, expected):
 def test_generate_end_to_end(tiny_weights, make_engine, tmp_path):
     out, tokens_file = tmp_path / "chair.glb", tmp_path / "tokens.json"
     proc = run_cli("generate", "a red chair", "--weights", str(tiny_weights), "--out", str(out), "--resolution", "5",
-                   "--seed", "4", "--top-p", "0.9", "--device", "cpu", "--save-tokens", str(tokens_file),
+                   "--seed", "4", "--top-p", "0.9", "--device", "cpu", "--dtype", "float32", "--save-tokens", str(tokens_file),
                    "--preview", str(tmp_path / "chair.png"))
     assert "time per output token" in proc.stdout and "geometry" in proc.stdout
     mesh = trimesh.load(io.BytesIO(out.read_bytes()), file_type="glb", force="mesh")
@@ -48,7 +48,8 @@ def test_generate_obj_with_bbox(tiny_bbox_weights, make_engine, tmp_path):
     vertices and faces, in the grid's bounds. (For this prompt the box changes the tokens.)"""
     out, tokens_file = tmp_path / "box.obj", tmp_path / "tokens.json"
     run_cli("generate", "a red chair", "--weights", str(tiny_bbox_weights), "--out", str(out), "--resolution", "4",
-            "--bbox", "1,2,0.5", "--single-block", "causal", "--device", "cpu", "--save-tokens", str(tokens_file))
+            "--bbox", "1,2,0.5", "--single-block", "causal", "--device", "cpu", "--dtype", "float32",
+            "--save-tokens", str(tokens_file))
     engine = make_engine("tiny-bbox", "causal")
     tokens = engine.generate_tokens([GenerationRequest("a red chair", bbox=(1, 2, 0.5))])
     assert json.loads(tokens_file.read_text()) == tokens[0].tolist()

@@ -1,7 +1,8 @@
-"""CUDA-only behaviour: captured decode graphs produce the eager path's tokens, a runner steps on
-its own device from any thread, bfloat16 serving, Warp's marching cubes on the device, and the
-engine model as a Triton KIND_GPU instance. Skipped, with the reason, where no CUDA device is
-present; bench/gpu_check.sh runs them on the GPU machine.
+"""CUDA-only behaviour: captured decode graphs produce the eager path's tokens (with float weights
+and with weight-only int8/int4), a runner steps on its own device from any thread, bfloat16
+serving, Warp's marching cubes on the device, and the engine model as a Triton KIND_GPU instance.
+Skipped, with the reason, where no CUDA device is present; bench/gpu_check.sh runs them on the
+GPU machine.
 
 What only a GPU proves. tests/test_runner_device.py holds the runner to torch.cuda's semantics
 with a stand-in (tests/fake_cuda.py): capture runs nothing and a replay re-runs the captured
@@ -125,6 +126,20 @@ def test_warp_marching_cubes_on_the_gpu_gives_the_cpu_mesh():
     assert len(gpu.faces) == len(cpu.faces) > 0
     key = lambda v: v[np.lexsort(np.round(v, 5).T[::-1])]  # noqa: E731
     np.testing.assert_allclose(key(gpu.vertices), key(cpu.vertices), rtol=0, atol=3e-5)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_capture_into_the_decode_graphs(tiny_weights, quantization):
+    """The weight-only kernels on CUDA (int8: _weight_int8pack_mm; int4: tinygemm) run inside
+    the captured decode graphs and replay what the eager quantized step computes."""
+    engine = Engine.from_dir(tiny_weights, device="cuda", dtype="bfloat16", quantization=quantization)
+    eager = engine.generate_tokens(REQUESTS)
+    pool = engine.decode_runner(max_objects=8, graph_buckets=(1, 2, 4, 8))
+    assert pool.graphs
+    pool.admit(REQUESTS)
+    for _ in range(engine.cfg.num_tokens):
+        pool.step()
+    assert torch.equal(pool.tokens[: len(REQUESTS)], eager)
 
 
 def serve_one(weights, tmp_path, instance_kind: str, request: Req) -> tuple[dict, str]:

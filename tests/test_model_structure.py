@@ -94,3 +94,37 @@ def test_a_model_conditioned_on_the_pooled_clip_embedding_is_refused(tmp_path):
     path.write_text(path.read_text().replace("gpt_model:\n", "gpt_model:\n  use_pooled_text_embed: true\n", 1))
     with pytest.raises(ValueError, match="use_pooled_text_embed: true is not supported"):
         read_yaml(path)
+
+
+def test_a_full_clip_checkpoint_loads_quietly_and_a_missing_weight_is_an_error(tmp_path, capfd):
+    """A CLIP checkpoint with more than the text model (here its text projection, as
+    openai/clip-vit-large-patch14 has, with the vision tower) loads without transformers' load
+    report or progress bar, and encodes as the text model alone; a lacking weight is refused."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from cubeserve.model.text import TextEncoder, build_tiny_clip
+
+    plain = build_tiny_clip(tmp_path / "plain", hidden_size=32)
+    full = tmp_path / "full"
+    shutil.copytree(plain, full)
+    with_projection = CLIPTextModelWithProjection(CLIPTextConfig.from_pretrained(plain))
+    state = load_file(plain / "model.safetensors")
+    with_projection.load_state_dict(state, strict=False)
+    save_file({**state, "text_projection.weight": with_projection.text_projection.weight.detach().clone()},
+              str(full / "model.safetensors"), metadata={"format": "pt"})
+    capfd.readouterr()
+    encoded = TextEncoder(full)(["a red chair"])
+    out, err = capfd.readouterr()
+    assert "UNEXPECTED" not in out + err and "LOAD REPORT" not in out + err and "Loading weights" not in err
+    assert torch.equal(encoded, TextEncoder(plain)(["a red chair"]))
+    broken = tmp_path / "broken"
+    shutil.copytree(plain, broken)
+    missing = next(k for k in state if k.endswith("final_layer_norm.weight"))
+    save_file({k: v for k, v in state.items() if k != missing}, str(broken / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="the CLIP text model lacks weights"):
+        TextEncoder(broken)

@@ -37,7 +37,8 @@ class Settings:
     weights: str  # a checkpoint directory, local or an object-store URI (each worker downloads it)
     out: str  # where meshes and results/ go: a local path or s3://
     device: str = "auto"  # the decode actors' device: cpu, cuda or auto
-    dtype: str | None = None  # default: bfloat16 on CUDA, float32 on the CPU
+    dtype: str | None = None  # default: the engine's (bfloat16 on CUDA and CPUs with native bf16)
+    quantization: str = "none"  # the GPT's weights: none | int8 | int4 (weight-only)
     decode_actors: int = 1  # one Engine each (one GPU each on CUDA)
     decode_cpus: int = 1  # CPU slots (and PyTorch threads) per decode actor
     geometry_actors: int = 1  # CPU actors with the shape tokenizer
@@ -150,6 +151,7 @@ def build_dataset(table, settings: Settings):
     ds = ds.map_batches(
         DecodeStage, batch_size=size, batch_format="pyarrow",
         fn_constructor_kwargs=dict(weights=settings.weights, device="cuda" if gpu else "cpu", dtype=settings.dtype,
+                                   quantization=settings.quantization,
                                    max_objects=settings.max_objects,
                                    cpu_threads=None if gpu else settings.decode_cpus),
         compute=ActorPoolStrategy(size=settings.decode_actors),

@@ -59,14 +59,14 @@ class DecodeStage:
     """Prompts -> shape tokens, on one Engine (GPU or CPU slot) per actor."""
 
     def __init__(self, weights: str, device: str = "cpu", dtype: str | None = None, max_objects: int = 8,
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, quantization: str = "none"):
         from cubeserve.engine import Engine
         from cubeserve.engine.engine import resolve_device
         from cubeserve.engine.scheduler import GRAPH_BUCKETS
 
         device = resolve_device(device)
-        dtype = dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        self.engine = Engine.from_dir(local_weights(weights), device=device, dtype=dtype, cpu_threads=cpu_threads)
+        self.engine = Engine.from_dir(local_weights(weights), device=device, dtype=dtype, cpu_threads=cpu_threads,
+                                      quantization=quantization)  # dtype None: the engine's default_dtype
         # On CUDA the step is captured as graphs, in the buckets the server's scheduler uses.
         graphs = self.engine.device.type == "cuda"
         self.runner = self.engine.decode_runner(max_objects, graph_buckets=GRAPH_BUCKETS if graphs else None)

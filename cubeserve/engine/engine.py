@@ -79,14 +79,41 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device(device)
 
 
+def native_bf16_cpu() -> str | None:
+    """The CPU's native bf16 multiply (AMX tiles, AVX-512 BF16), or None where it has none."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX-512 BF16"
+    return None
+
+
+def default_dtype(device: torch.device) -> tuple[str, str]:
+    """The compute dtype where none is asked for, and why: bfloat16 on CUDA and on CPUs with AMX,
+    float32 elsewhere. AVX-512 BF16 alone decoded slower in bfloat16 than in float32 (1.2x on
+    an AMD EPYC: BENCHMARKS.md, "Numerics modes"); bf16's agreement with float32 is measured
+    there too."""
+    if device.type == "cuda":
+        return "bfloat16", "CUDA"
+    native = native_bf16_cpu()
+    if native == "AMX":
+        return "bfloat16", "the CPU multiplies bf16 in AMX tiles"
+    if native:
+        return "float32", f"the CPU has {native} but no AMX: bf16 decodes slower there"
+    return "float32", "the CPU has no native bf16 multiply"
+
+
 class Engine:
     """Holds the models of one checkpoint on one device and generates from requests."""
 
     def __init__(self, cfg: ModelConfig, gpt: DualStreamGPT, tokenizer: ShapeTokenizer, text: TextEncoder,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  single_block_mode: str = "reference", cpu_threads: int | None = None,
-                 engines_sharing_cpu: int = 1):
-        """`cpu_threads`: PyTorch's intra-op threads (process-wide); None: $OMP_NUM_THREADS if
+                 engines_sharing_cpu: int = 1, quantization: str = "none"):
+        """`quantization`: "none", or the GPT's weights as "int8" (per output channel) or "int4"
+        (in groups), weight-only (`fast_paths.quantize`); the condition projections and the
+        shape tokenizer keep `dtype`.
+        `cpu_threads`: PyTorch's intra-op threads (process-wide); None: $OMP_NUM_THREADS if
         set, else the CPUs the cgroup's quota and the affinity mask allow, divided among the
         `engines_sharing_cpu` engine processes that share them (`threads.decide_cpu_threads`)."""
         self.cpu_threads: CpuThreads = decide_cpu_threads(cpu_threads, engines=engines_sharing_cpu)
@@ -102,6 +129,7 @@ class Engine:
         self.device = torch.device(device)
         self.dtype = dtype
         self.single_block_mode = single_block_mode
+        self.quantization = quantization
         # The engine owns the models it is given: it moves them, casts their Linear weights to the
         # compute dtype once (the condition projections stay fp32, as the reference runs them
         # outside autocast; norms and embeddings stay fp32) and swaps in its fast paths.
@@ -110,22 +138,28 @@ class Engine:
         keep_fp32 = tuple(m for m in (gpt.text_proj, gpt.shape_proj, getattr(gpt, "bbox_proj", None)) if m is not None)
         cast_linears(self.gpt, dtype, skip=keep_fp32)
         cast_linears(self.tokenizer, dtype)
-        fast_paths.apply(self.gpt, self.tokenizer)
+        fast_paths.apply(self.gpt, self.tokenizer, quantization=quantization, keep=keep_fp32)
         self.text = text
         # The unconditional prefix: CLIP("") (+ a zero box), prefilled once and shared.
         self.uncond_kv = prefill_condition(self.gpt, self.condition([""], [None]), self.dtype)
 
     @classmethod
     def from_dir(cls, weights_dir: str | Path, device: str | torch.device | None = "cpu",
-                 dtype: str | torch.dtype = "float32", single_block_mode: str = "reference",
+                 dtype: str | torch.dtype | None = None, single_block_mode: str = "reference",
                  config: ModelConfig | str | None = None, cpu_threads: int | None = None,
-                 engines_sharing_cpu: int = 1) -> "Engine":
+                 engines_sharing_cpu: int = 1, quantization: str = "none") -> "Engine":
+        """`dtype` None: `default_dtype` for the device, decided here once and logged."""
         device = resolve_device(device)
+        if dtype is None:
+            dtype, why = default_dtype(device)
+            log.info("engine: compute dtype %s (%s)", dtype, why)
+        if isinstance(dtype, str) and dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         cfg, gpt, tok = load_models(weights_dir, config=config, device="cpu")
         text = TextEncoder(Path(weights_dir) / CLIP_DIR, device=device)
         return cls(cfg, gpt, tok, text, device=device, dtype=dtype, single_block_mode=single_block_mode,
-                   cpu_threads=cpu_threads, engines_sharing_cpu=engines_sharing_cpu)
+                   cpu_threads=cpu_threads, engines_sharing_cpu=engines_sharing_cpu, quantization=quantization)
 
     # -- stages ---------------------------------------------------------------------------------
 
@@ -150,10 +184,12 @@ class Engine:
     @torch.no_grad()
     def generate_tokens(self, requests: list[GenerationRequest],
                         on_step: Callable[[int], None] | None = None,
-                        return_logits: bool = False):
+                        return_logits: bool = False, force: torch.Tensor | None = None):
         """Shape token ids [B, N] for a batch of requests, with the KV cache, all in one batch.
 
-        With `return_logits`, also the guided fp32 logits [B, N, codes] of every step.
+        With `return_logits`, also the guided fp32 logits [B, N, codes] of every step. With
+        `force` [B, N] (teacher forcing, for measurements), each step's logits are computed
+        after those tokens, which are also the ones returned.
         """
         self.validate(requests)
         runner = self.decode_runner(max_objects=len(requests))
@@ -163,6 +199,8 @@ class Engine:
             out = runner.step(return_logits=return_logits)
             if return_logits:
                 all_logits.append(out.guided_logits)
+            if force is not None:
+                runner.force(step, force[:, step])
             if on_step is not None:
                 on_step(step + 1)
         tokens = runner.tokens.clone()

@@ -11,8 +11,14 @@ plain PyTorch, and `apply` (called once by the Engine) is the one place they com
   `product`, and the decode step's weights get oneDNN-packed copies. A decode step multiplies a
   few rows by each weight, where MKL's F.linear is slow (BENCHMARKS.md, "What the CPU step
   is made of").
+- Weight-only quantization (`quantization` "int8" or "int4"): the GPT's products but the
+  condition projections hold int8 weights per output channel or int4 weights in groups
+  (`Int8Linear`, `Int4Linear`), multiplied by PyTorch's own kernels
+  (`_weight_int8pack_mm`, tinygemm's `_weight_int4pack_mm[_for_cpu]`) on bf16 activations.
 
-Each variant is the same product in another summation order (tests/test_fast_paths.py).
+Each variant but quantization is the same product in another summation order
+(tests/test_fast_paths.py); quantization is held to the fp32 oracle by the numerics harness
+(`cubeserve/numerics.py`, tests/test_quantization.py).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cubeserve.config import QUANTIZATIONS
 from cubeserve.model.gpt import DualStreamGPT, QKNorm, decode_modules
 from cubeserve.model.layers import Parallel
 
@@ -144,18 +151,171 @@ def stream(module: nn.Module, packed: set[int] = frozenset()) -> None:
     _swap(module, nn.Linear, lambda layer: StreamingLinear(layer, packed=id(layer) in packed - grouped))
 
 
-def apply(gpt: DualStreamGPT, *others: nn.Module, streaming: bool | None = None) -> None:
+# -- weight-only quantization ------------------------------------------------------------------
+
+# The quantized kernels' activations: their float32 paths are 10-40x slower than bf16 on the CPU
+# (measured at decode sizes), and tinygemm's CUDA kernel takes bf16 only.
+ACTIVATION_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES = (128, 64, 32)  # per layer, the largest that divides its inputs
+INT4_ROWS = 16  # tinygemm packs outputs in tiles of 16 rows (CPU) or 8 (CUDA): pad to 16
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output channel: weight ~ q * scale[:, None], q in [-127, 127] (int8)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric in groups of `group` inputs, in tinygemm's convention: weight ~ (q - 8) *
+    scale + zero, q in [0, 15] (int32 [N, K]); scales and zeros as [K / group, N, 2]."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // group, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    return q, torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+
+
+def int4_group_size(in_features: int) -> int:
+    for group in INT4_GROUP_SIZES:
+        if in_features % group == 0:
+            return group
+    raise ValueError(f"int4 quantization needs layers whose inputs are a multiple of {INT4_GROUP_SIZES[-1]}, "
+                     f"got {in_features}")
+
+
+class WeightOnlyLinear(nn.Module):
+    """A product with quantized weights standing in for an nn.Linear or a `FusedLinear`
+    (`sizes`: its outputs split as the group's layers). It returns the dtype the layer had
+    (the engine's), takes any input dtype, and keeps no float copy of the weight."""
+
+    weight = None  # `layers.linear` then leaves the input's dtype to the product
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.out_dtype = weight.dtype
+        self.sizes = sizes
+        self.register_buffer("bias", None if bias is None else bias.detach().to(weight.dtype).clone())
+
+    def forward(self, x: torch.Tensor):
+        *lead, k = x.shape
+        y = self.matmul(x.reshape(-1, k).to(ACTIVATION_DTYPE)).to(self.out_dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        y = y.view(*lead, self.out_features)
+        return y.split(self.sizes, dim=-1) if self.sizes else y
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(WeightOnlyLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None):
+        super().__init__(weight, bias, sizes)
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale.to(ACTIVATION_DTYPE))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale)
+
+
+class Int4Linear(WeightOnlyLinear):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None):
+        super().__init__(weight, bias, sizes)
+        n, k = weight.shape
+        self.group = int4_group_size(k)
+        rows = -(-n // INT4_ROWS) * INT4_ROWS  # padded with zero rows, cut off after the product
+        padded = torch.cat([weight.detach(), weight.new_zeros(rows - n, k)]) if rows > n else weight
+        q, scales_and_zeros = quantize_int4(padded, self.group)
+        if weight.is_cpu:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        else:  # two inputs a byte, the even one in the high nibble; tiles of 16 x inner_k_tiles inputs
+            tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
+            packed = torch.ops.aten._convert_weight_to_int4pack(((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8), tiles)
+        self.register_buffer("qweight", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(ACTIVATION_DTYPE))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, self.group, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x, self.qweight, self.group, self.scales_and_zeros)
+        return y[:, : self.out_features]
+
+
+QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+class GroupMember(nn.Module):
+    """One layer of a quantized fused group, for the code that calls that layer alone (a single
+    block's value at BOS): the group's product, that layer's part. No second copy of weights."""
+
+    weight = None
+
+    def __init__(self, group: WeightOnlyLinear, index: int):
+        super().__init__()
+        self.group = (group,)  # a tuple: the group is its parent's module, not this one's
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group[0](x)[self.index]
+
+
+def quantize(module: nn.Module, kind: str, keep: set[int] = frozenset()) -> None:
+    """Every `FusedLinear` and nn.Linear under `module` but those whose id is in `keep` as the
+    `kind` ("int8", "int4") of `WeightOnlyLinear`; fuse first (a group is quantized as one
+    product and its layers become `GroupMember`s of it)."""
+    make = QUANTIZED[kind]
+    members: dict[int, GroupMember] = {}
+
+    def group(fused: FusedLinear) -> WeightOnlyLinear:
+        q = make(fused.weight, fused.bias, sizes=fused.sizes)
+        members.update({id(layer): GroupMember(q, i) for i, layer in enumerate(fused.layers)})
+        return q
+
+    with torch.no_grad():
+        _swap(module, FusedLinear, group)
+        for kind_ in (nn.Linear, StreamingLinear):
+            _swap(module, kind_, lambda layer: layer if id(layer) in keep else
+                  members.get(id(layer)) or make(layer.weight, layer.bias))
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of the weights `module` holds (parameters and buffers, each storage once): what
+    quantization saves. oneDNN-packed copies (CPU float32) are not counted."""
+    storages = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def apply(gpt: DualStreamGPT, *others: nn.Module, streaming: bool | None = None,
+          quantization: str = "none", keep: tuple[nn.Module, ...] = ()) -> None:
     """The engine's speed variants, for models already on their device and in their dtype.
 
     `streaming` (default: on the CPU): the CPU's streaming products. The decode step's products
     from 4 rows (2 objects) up then run on oneDNN-packed copies of their weights: batching's
     speed, for a second copy of those weights. The condition stream runs once per prompt and is
-    not packed; a fused group is packed once, as its one weight."""
+    not packed; a fused group is packed once, as its one weight.
+
+    `quantization` ("none", "int8", "int4"): the GPT's weights as `WeightOnlyLinear`s, but the
+    modules in `keep` (the engine keeps the condition projections in float32); nothing is packed."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if streaming is None:
         streaming = gpt.lm_head.weight.device.type == "cpu"
-    decode = {id(m) for root in decode_modules(gpt) for m in root.modules()} if streaming else set()
+    quantized = quantization != "none"
+    decode = ({id(m) for root in decode_modules(gpt) for m in root.modules()}
+              if streaming and not quantized else set())
     fuse(gpt, packed=decode)
     _swap(gpt, QKNorm, FrozenQKNorm)
+    if quantized:
+        quantize(gpt, quantization, keep={id(m) for k in keep for m in k.modules()})
     if streaming:
         stream(gpt, packed=decode)
         for module in others:

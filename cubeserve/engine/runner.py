@@ -206,6 +206,19 @@ class DecodeRunner:
                 finished.append(s)
         return StepOutput(finished, guided if return_logits else None)
 
+    @torch.no_grad()
+    def force(self, step: int, ids: torch.Tensor) -> None:
+        """Teacher forcing, for measurements (`cubeserve.numerics`): the tokens the last step
+        wrote at position `step` for slots 0..len(ids)-1 become `ids`, and so do the next
+        inputs. Eager steps only, every slot admitted together (one position)."""
+        k = len(ids)
+        if self.slot_buckets is not None or any(g != step + 1 for g in self.generated[:k]):
+            raise RuntimeError("force needs eager steps and slots 0..k-1 all past position `step`")
+        with self._on_device():
+            ids = ids.to(self.tokens.device)
+            self.tokens[:k, step] = ids
+            self.x[: 2 * k] = self.gpt.embed_tokens(ids[:, None].expand(k, 2).reshape(2 * k))
+
     def tokens_of(self, slot: int) -> torch.Tensor:
         """A finished slot's tokens, on the host (waits for its last step), before it is released."""
         with self._on_device():

@@ -43,8 +43,10 @@ def rms_norm_noaffine(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Apply `layer` in the dtype of its weight: the input is cast, as autocast would."""
-    return layer(x if x.dtype == layer.weight.dtype else x.to(layer.weight.dtype))
+    """Apply `layer` in the dtype of its weight: the input is cast, as autocast would. A layer
+    whose weight is None (the engine's quantized swaps) takes any input dtype itself."""
+    w = layer.weight
+    return layer(x if w is None or x.dtype == w.dtype else x.to(w.dtype))
 
 
 class Parallel(nn.Module):

@@ -8,6 +8,7 @@ CLIP text model and byte-level tokenizer in the same layout for tests and the de
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,22 @@ import torch
 # Never reach for a hub at run time, whatever the caller's environment says.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings and progress bars off for a load (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 class TextEncoder:
@@ -33,9 +50,16 @@ class TextEncoder:
             )
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(clip_dir), local_files_only=True)
-        self.model = CLIPTextModel.from_pretrained(
-            str(clip_dir), local_files_only=True, use_safetensors=True, torch_dtype=torch.float32
-        ).to(self.device).eval()
+        with _quiet_transformers():
+            self.model, info = CLIPTextModel.from_pretrained(
+                str(clip_dir), local_files_only=True, use_safetensors=True, dtype=torch.float32,
+                output_loading_info=True)
+        # A full CLIP checkpoint also holds the vision tower and the projections, which the text
+        # model does not use (transformers' load report calls them unexpected: not news). A
+        # missing weight would be random: that is an error.
+        if info.get("missing_keys"):
+            raise ValueError(f"{clip_dir}: the CLIP text model lacks weights {sorted(info['missing_keys'])[:5]}")
+        self.model = self.model.to(self.device).eval()
         self.max_length = int(self.tokenizer.model_max_length)
         self.hidden_size = int(self.model.config.hidden_size)
 

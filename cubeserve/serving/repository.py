@@ -19,6 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
+from cubeserve.config import QUANTIZATIONS
 from cubeserve.deploy import IMAGE_MODEL_REPOSITORY, PREDICT_MODEL, STREAM_MODEL
 
 INSTANCE_KINDS = ("cpu", "gpu")
@@ -27,6 +28,7 @@ INSTANCE_KINDS = ("cpu", "gpu")
 _GPU_GROUP = "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"
 _CPU_GROUP = "instance_group [ { count: 1 kind: KIND_CPU } ]"
 _INSTANCE_GROUP = re.compile(r"^instance_group \[.*\]$", re.MULTILINE)
+_QUANTIZATION = re.compile(r'(\{ key: "quantization" value: \{ string_value: )"[^"]*"')
 
 
 def template_repository() -> Path:
@@ -37,23 +39,29 @@ def template_repository() -> Path:
     return MODEL_REPOSITORY if MODEL_REPOSITORY.is_dir() else Path(IMAGE_MODEL_REPOSITORY)
 
 
-def _config_with_instance_group(config: Path, group: str) -> str:
+def _config_with_instance_group(config: Path, group: str, quantization: str | None = None) -> str:
     text = config.read_text()
     text, count = _INSTANCE_GROUP.subn(group, text)
     if count != 1:
         raise ValueError(f"{config}: expected one single-line `instance_group [ ... ]`, found {count}")
+    if quantization is not None:
+        text, count = _QUANTIZATION.subn(rf'\1"{quantization}"', text)
+        if count != 1:
+            raise ValueError(f"{config}: expected one `quantization` parameter, found {count}")
     return text
 
 
 def build_version_repository(weights_dir: str | Path, version: int, target_dir: str | Path,
-                             instance_kind: str) -> Path:
+                             instance_kind: str, quantization: str = "none") -> Path:
     """Write the model repository of checkpoint `version` (an int >= 1) with the checkpoint
     `weights_dir` into `target_dir`, which must not exist yet; returns it.
 
     `instance_kind` "gpu": `cube3d_stream` (the engine) runs one KIND_GPU instance on GPU 0;
     the predict model `cube3d` stays KIND_CPU (it only forwards requests to the engine over BLS
     and imports no torch, so it needs no GPU). "cpu": both KIND_CPU (the engine on the config's
-    `device`, cpu). The model code and configs come from template_repository().
+    `device`, cpu). `quantization` (none | int8 | int4): the engine quantizes the GPT's weights
+    at load (the weights stay the checkpoint's safetensors), so a quantized version is one more
+    checkpoint version. The model code and configs come from template_repository().
 
     Assembled in a hidden staging directory beside `target_dir` and renamed into place, so no
     reader sees half a repository. Zero-byte files are refused by name: KServe's storage
@@ -62,6 +70,8 @@ def build_version_repository(weights_dir: str | Path, version: int, target_dir: 
         raise ValueError(f"version: must be an integer >= 1 (a Triton model version), got {version!r}")
     if instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance_kind: must be one of {list(INSTANCE_KINDS)}, got {instance_kind!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     weights, target = Path(weights_dir), Path(target_dir)
     if not weights.is_dir():
         raise ValueError(f"weights_dir: {weights} is not a directory")
@@ -81,7 +91,8 @@ def build_version_repository(weights_dir: str | Path, version: int, target_dir: 
             version_dir = staging / model / str(version)
             version_dir.mkdir(parents=True)
             (staging / model / "config.pbtxt").write_text(
-                _config_with_instance_group(template / model / "config.pbtxt", groups[model]))
+                _config_with_instance_group(template / model / "config.pbtxt", groups[model],
+                                            quantization if model == STREAM_MODEL else None))
             shutil.copy2(template / model / "1" / "model.py", version_dir / "model.py")
         shutil.copytree(weights, staging / STREAM_MODEL / str(version) / "weights")
         os.rename(staging, target)

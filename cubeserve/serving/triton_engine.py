@@ -130,7 +130,8 @@ class EngineModel:
     Parameters (config.pbtxt): weights (directory; relative paths resolve against the version
     directory; default "weights"), config (preset or YAML; default: the YAML beside the
     weights), device (for KIND_CPU: cpu; KIND_GPU instances use their own GPU), dtype
-    (default bfloat16 on GPU, float32 on CPU), max_objects (objects in flight, default 8),
+    (default: `engine.default_dtype`: bfloat16 on GPU and on CPUs with native bf16, else
+    float32), quantization (none | int8 | int4: weight-only, `fast_paths.quantize`), max_objects (objects in flight, default 8),
     max_queue (requests that may wait beyond those in flight; more are refused as busy;
     default 8 x max_objects), single_block (reference | causal), cuda_graphs (auto | true |
     false; auto = on CUDA).
@@ -145,11 +146,11 @@ class EngineModel:
             device = f"cuda:{args['model_instance_device_id']}"
         else:
             device = params.get("device") or "cpu"
-        dtype = params.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32")
         # The engines of this pod (instances x loaded versions) divide its CPU quota
         # (serving/cpu_share.py); $OMP_NUM_THREADS, when set, overrides for each of them.
         engines = engine_processes(json.loads(args["model_config"]), args["model_repository"])
-        engine = Engine.from_dir(weights, device=device, dtype=dtype,
+        engine = Engine.from_dir(weights, device=device, dtype=params.get("dtype") or None,
+                                 quantization=params.get("quantization") or "none",
                                  single_block_mode=params.get("single_block") or "reference",
                                  config=params.get("config") or None, engines_sharing_cpu=engines)
         self.uses_bbox = engine.cfg.gpt.use_bbox
@@ -165,7 +166,8 @@ class EngineModel:
         self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
         self.forwarded_lock = threading.Lock()
         pb_utils.Logger.log_info(
-            f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} ({dtype}), "
+            f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} "
+            f"({str(engine.dtype).removeprefix('torch.')}, weights {engine.quantization}), "
             f"{self.scheduler.runner.max_objects} objects in flight, max_queue {self.scheduler.max_queue}; "
             f"{engine.cpu_threads.describe()}")
 

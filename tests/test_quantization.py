@@ -1,0 +1,196 @@
+"""Weight-only quantization (engine/fast_paths.py), the compute dtype chosen by hardware, and the
+numerics harness that holds both to the float32 oracle (cubeserve/numerics.py)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cubeserve import numerics
+from cubeserve.engine import Engine, engine as engine_module, fast_paths
+from cubeserve.engine.fast_paths import FusedLinear, GroupMember, Int4Linear, Int8Linear, WeightOnlyLinear
+from cubeserve.serving.local_triton import DEMO_MODEL
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_product_is_the_dequantized_weights_product(dtype):
+    """Per output channel: the kernel multiplies by q * scale (bf16 activations), and that is
+    within int8's rounding of the float product. 50 outputs: not a multiple of anything."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(50, 64).to(dtype), torch.randn(50).to(dtype)
+    layer = Int8Linear(weight, bias)
+    x = torch.randn(3, 5, 64).to(dtype)
+    y = layer(x)
+    assert y.dtype == dtype and y.shape == (3, 5, 50)
+    q, scale = fast_paths.quantize_int8(weight)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    dequantized = q.float() * scale[:, None]
+    want = F.linear(x.to(torch.bfloat16).float(), dequantized) + bias.float()
+    assert torch.allclose(y.float(), want, rtol=2e-2, atol=5e-2)
+    assert _relative_error(y, F.linear(x.float(), weight.float(), bias.float())) < 0.02
+
+
+def test_int4_product_is_the_dequantized_weights_product():
+    """Groups of inputs, tinygemm's (q - 8) * scale + zero; 50 outputs are padded to the kernel's
+    tile and cut off again."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(50, 128), torch.randn(50)
+    layer = Int4Linear(weight, bias)
+    assert layer.group == 128
+    x = torch.randn(4, 128)
+    y = layer(x)
+    assert y.shape == (4, 50)
+    q, sz = fast_paths.quantize_int4(weight, 128)
+    assert 0 <= q.min() and q.max() <= 15
+    scale, zero = sz[..., 0].T, sz[..., 1].T  # [N, groups]
+    dequantized = ((q.float().view(50, 1, 128) - 8) * scale[..., None] + zero[..., None]).view(50, 128)
+    assert _relative_error(dequantized, weight) < 0.15
+    want = F.linear(x.to(torch.bfloat16).float(), dequantized, bias)
+    assert torch.allclose(y, want, rtol=2e-2, atol=0.15)
+    assert _relative_error(y, F.linear(x, weight, bias)) < 0.15
+
+
+def test_int4_needs_inputs_in_whole_groups():
+    with pytest.raises(ValueError, match="int4 quantization needs layers whose inputs are a multiple of 32"):
+        Int4Linear(torch.randn(16, 48), None)
+
+
+def test_a_quantized_engine_keeps_no_float_copy_of_the_gpt_weights(make_engine, tiny_weights):
+    plain = make_engine("tiny", "reference")
+    quantized = {q: Engine.from_dir(tiny_weights, dtype="float32", quantization=q) for q in ("int8", "int4")}
+    for q, engine in quantized.items():
+        gpt = engine.gpt
+        kept = {id(m) for m in (gpt.text_proj, gpt.shape_proj)}
+        for m in gpt.modules():
+            assert not isinstance(m, FusedLinear)
+            if isinstance(m, nn.Linear):  # only the condition projections stay float32
+                assert id(m) in kept and m.weight.dtype == torch.float32, q
+        assert all(isinstance(m, (WeightOnlyLinear, GroupMember))
+                   for blk in gpt.transformer.single_blocks for m in (blk.attn.c_v, blk.attn.project))
+    sizes = {q: fast_paths.weight_bytes(e.gpt) for q, e in quantized.items()}
+    float_bytes = fast_paths.weight_bytes(plain.gpt)
+    assert sizes["int8"] < 0.5 * float_bytes and sizes["int4"] < sizes["int8"], (float_bytes, sizes)
+
+
+def test_a_quantized_groups_layer_alone_is_its_part_of_the_group(tiny_weights):
+    """A single block's value at BOS calls c_v alone: with quantization it is the fused
+    group's v part, not a second copy of the weights."""
+    engine = Engine.from_dir(tiny_weights, dtype="float32", quantization="int8")
+    attn = engine.gpt.transformer.single_blocks[0].attn
+    h = torch.randn(2, 3, engine.cfg.gpt.n_embd)
+    assert isinstance(attn.c_v, GroupMember) and attn.c_v.group[0] is attn.project
+    assert torch.equal(attn.c_v(h), attn.project(h)[1])
+
+
+def test_teacher_forcing_feeds_the_given_tokens(make_engine):
+    engine = make_engine("tiny", "reference")
+    requests = numerics.requests_for(["a red chair", "a round table"])
+    tokens, logits = engine.generate_tokens(requests, return_logits=True)
+    forced_tokens, forced_logits = engine.generate_tokens(requests, return_logits=True, force=tokens)
+    assert torch.equal(forced_tokens, tokens) and torch.equal(forced_logits, logits)
+    other = torch.roll(tokens, 1, dims=0)  # the other prompt's tokens
+    got, got_logits = engine.generate_tokens(requests, return_logits=True, force=other)
+    assert torch.equal(got, other)
+    assert torch.equal(got_logits[:, 0], logits[:, 0])  # position 0 follows BOS either way
+    assert not torch.allclose(got_logits[:, 1:], logits[:, 1:])
+
+
+@pytest.fixture(scope="module")
+def demo_oracle():
+    engine = Engine.from_dir(DEMO_MODEL, dtype="float32")
+    return numerics.Oracle.of(numerics.EngineDecoder(engine), numerics.requests_for(numerics.PROMPTS[:6]),
+                              resolution=4)
+
+
+def test_the_harness_finds_the_oracle_equal_to_itself(demo_oracle):
+    report = numerics.compare(demo_oracle, numerics.EngineDecoder(Engine.from_dir(DEMO_MODEL, dtype="float32")),
+                              "float32")
+    assert report.agreement == 1.0 and report.kl < 1e-9
+    assert report.identical == len(report.prompts) and report.first_divergence_median == report.tokens
+    assert report.iou == 1.0 and report.chamfer == 0.0
+
+
+def test_int8_on_the_demo_model_stays_close_and_a_broken_int8_does_not(demo_oracle, monkeypatch):
+    """The trained demo model's margins: int8 keeps the oracle's choices and objects; the
+    harness tells a wrong dequantization (scales off by 30 %) from it."""
+    good = numerics.compare(demo_oracle, numerics.EngineDecoder(
+        Engine.from_dir(DEMO_MODEL, dtype="float32", quantization="int8")), "int8")
+    assert good.agreement >= 0.95 and good.kl < 0.01 and good.iou >= 0.9, good.summary()
+    real = fast_paths.quantize_int8
+    monkeypatch.setattr(fast_paths, "quantize_int8", lambda w: (lambda q, s: (q, s * 1.3))(*real(w)))
+    broken = numerics.compare(demo_oracle, numerics.EngineDecoder(
+        Engine.from_dir(DEMO_MODEL, dtype="float32", quantization="int8")), "broken int8")
+    assert broken.kl > 10 * good.kl and broken.agreement < good.agreement, (good.summary(), broken.summary())
+
+
+def test_a_wrong_quantization_is_refused_by_name(tiny_weights):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('none', 'int8', 'int4'\), got 'int3'"):
+        Engine.from_dir(tiny_weights, quantization="int3")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        Engine.from_dir(tiny_weights, dtype="float8")
+
+
+def test_generate_with_int8_weights_from_the_command_line(tmp_path):
+    out = tmp_path / "ball.glb"
+    run = subprocess.run([sys.executable, "-m", "cubeserve.cli", "generate", "a ball", "--weights", str(DEMO_MODEL),
+                          "--resolution", "5", "--quantization", "int8", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "weights: int8" in run.stdout and out.stat().st_size > 0
+    bad = subprocess.run([sys.executable, "-m", "cubeserve.cli", "generate", "a ball", "--weights", str(DEMO_MODEL),
+                          "--quantization", "int3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--quantization: invalid choice: 'int3'" in bad.stderr
+
+
+@pytest.mark.parametrize("native, device, want", [
+    ("AMX", "cpu", "bfloat16"), ("AVX-512 BF16", "cpu", "float32"), (None, "cpu", "float32"),
+    (None, "cuda", "bfloat16")])
+def test_the_default_dtype_follows_the_hardware(monkeypatch, native, device, want):
+    monkeypatch.setattr(engine_module, "native_bf16_cpu", lambda: native)
+    dtype, why = engine_module.default_dtype(torch.device(device))
+    assert dtype == want and why == {"AMX": "the CPU multiplies bf16 in AMX tiles",
+                                     "AVX-512 BF16": "the CPU has AVX-512 BF16 but no AMX: bf16 decodes slower there",
+                                     None: "CUDA" if device == "cuda" else "the CPU has no native bf16 multiply"}[native]
+
+
+def test_the_engine_decides_its_dtype_once_at_load_and_says_why(tiny_weights, monkeypatch, caplog):
+    monkeypatch.setattr(engine_module, "native_bf16_cpu", lambda: None)
+    with caplog.at_level(logging.INFO, logger="cubeserve.engine.engine"):
+        engine = Engine.from_dir(tiny_weights)
+    assert engine.dtype == torch.float32
+    assert "compute dtype float32 (the CPU has no native bf16 multiply)" in caplog.text
+    monkeypatch.setattr(engine_module, "native_bf16_cpu", lambda: "AMX")
+    assert Engine.from_dir(tiny_weights).dtype == torch.bfloat16
+    assert Engine.from_dir(tiny_weights, dtype="float32").dtype == torch.float32  # asked for: kept
+
+
+def test_a_quantized_checkpoint_version_is_served_as_its_engine_computes_it(tmp_path):
+    """A version repository built with quantization int8 (the pipeline's packaging) served by
+    the real tritonserver: the engine loads the checkpoint's safetensors quantized, says so, and
+    answers with the in-process int8 engine's tokens."""
+    from cube3d_client import Cube3DClient
+    from cubeserve.serving.local_triton import LocalTriton, free_port
+    from cubeserve.serving.repository import build_version_repository
+
+    repo = build_version_repository(DEMO_MODEL, 4, tmp_path / "repo", "cpu", quantization="int8")
+    assert '{ key: "quantization" value: { string_value: "int8" } }' in (repo / "cube3d_stream/config.pbtxt").read_text()
+    with pytest.raises(ValueError, match=r"quantization: must be one of \['none', 'int8', 'int4'\], got 'fp4'"):
+        build_version_repository(DEMO_MODEL, 4, tmp_path / "other", "cpu", quantization="fp4")
+    log = tmp_path / "tritonserver.log"
+    with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log) as server:
+        with Cube3DClient(server.http_url, "http", model_version="4") as client:
+            result = client.generate("a big hoop", resolution=4)
+    assert "weights int8" in log.read_text()
+    engine = Engine.from_dir(DEMO_MODEL, quantization="int8")
+    want = engine.generate_tokens(numerics.requests_for(["a big hoop"]))[0]
+    assert list(result.tokens) == want.tolist() and result.num_faces > 0
