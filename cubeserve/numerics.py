@@ -14,7 +14,6 @@ Per prompt, greedy (the oracle's path is then one sequence):
 
 A mode is an `Engine` (`EngineDecoder`), or anything with the `Decoder` shape: the benchmark
 (bench/numerics.py) runs the reference's own bf16 autocast through it, the bar a mode meets.
-The pipeline's quantized package is gated on `compare` against its unquantized parent.
 """
 
 from __future__ import annotations
