@@ -34,7 +34,10 @@ def write_jsonl(path: Path, records: list[dict]) -> str:
 def settings(out, **kw) -> Settings:
     # Resolution 4 and batches of 4 rows: several tasks per stage, seconds per run.
     kw.setdefault("defaults", rows.Defaults(resolution=4))
-    return Settings(weights=str(DEMO_MODEL), out=str(out), device="cpu", batch_size=4, max_objects=4, **kw)
+    # float32 on every CPU (the default is bfloat16 on AMX ones), so that tokens compare exactly
+    # with the in-process engine's whatever the batches held.
+    return Settings(weights=str(DEMO_MODEL), out=str(out), device="cpu", dtype="float32", batch_size=4,
+                    max_objects=4, **kw)
 
 
 def table(out) -> list[dict]:
@@ -212,7 +215,7 @@ def test_the_batch_tokens_are_the_engines(first_batch):
 
     tmp, _, _, _ = first_batch
     records = {r["id"]: r for r in table(tmp / "out")}
-    engine = Engine.from_dir(DEMO_MODEL, device="cpu")
+    engine = Engine.from_dir(DEMO_MODEL, device="cpu", dtype="float32")
     tokens = engine.generate_tokens([GenerationRequest(prompt=PROMPTS[0], seed=0, resolution=4),
                                      GenerationRequest(prompt=PROMPTS[2], seed=2, resolution=4)]).tolist()
     assert [records["000000"]["tokens"], records["boat"]["tokens"]] == tokens

@@ -27,7 +27,7 @@ KSERVE_SDK_CLIENT = Path(__file__).with_name("kserve_sdk_client.py")
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"), {"dtype": "float32"})  # as `expected`
     ensure_demo_weights(root)  # the shipped demo model
     return root
 
@@ -42,7 +42,7 @@ def server(repo, tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(repo):
     """sha256 of the GLB and the tokens, made in process from the same request."""
-    engine = Engine.from_dir(repo / "cube3d_stream" / "1" / "weights")
+    engine = Engine.from_dir(repo / "cube3d_stream" / "1" / "weights", dtype="float32")
     [result] = engine.generate([GenerationRequest(PROMPT, seed=SEED, resolution=RESOLUTION)])
     assert not result.mesh.empty
     return hashlib.sha256(result.mesh_bytes()).hexdigest(), result.tokens

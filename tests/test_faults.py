@@ -39,7 +39,7 @@ MAX_OBJECTS, MAX_QUEUE = 1, 2
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     root = copy_model_repository(tmp_path_factory.mktemp("model_repository"),
-                                 {"max_objects": str(MAX_OBJECTS), "max_queue": str(MAX_QUEUE)})
+                                 {"max_objects": str(MAX_OBJECTS), "max_queue": str(MAX_QUEUE), "dtype": "float32"})
     write_random_weights(LONG, root / "cube3d_stream" / "1" / "weights", seed=1)
     return root
 
@@ -59,7 +59,7 @@ def server(repo, tmp_path_factory):
 def expected_tokens(repo):
     """expected_tokens(prompt, seed): the tokens made in process (on the scheduler: its decode
     path is the server's, and several times faster than Engine.generate_tokens here)."""
-    engine = Engine.from_dir(repo / "cube3d_stream" / "1" / "weights")
+    engine = Engine.from_dir(repo / "cube3d_stream" / "1" / "weights", dtype="float32")
     cache = {}
     with Scheduler(engine, max_objects=1) as scheduler:
         def tokens(prompt: str, seed: int = 0) -> list[int]:

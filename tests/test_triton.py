@@ -29,7 +29,9 @@ LONG = dataclasses.replace(TINY, name="tiny-long",
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
-    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
+    # float32 on every CPU (the default is bfloat16 on AMX ones): tokens compare exactly with the
+    # in-process engine's whatever a batch held.
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"), {"dtype": "float32"})
     for model in ("cube3d", "cube3d_stream"):
         shutil.copytree(root / model / "1", root / model / "2")
         config = root / model / "config.pbtxt"
@@ -51,7 +53,7 @@ def server(repo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine_v1(repo):
-    return Engine.from_dir(repo / "cube3d_stream" / "1" / "weights")
+    return Engine.from_dir(repo / "cube3d_stream" / "1" / "weights", dtype="float32")
 
 
 def expected_tokens(engine, **fields):

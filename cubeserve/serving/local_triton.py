@@ -9,7 +9,6 @@ first on PATH (it ignores PYTHONPATH), so the running interpreter's `bin` goes f
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -222,13 +221,10 @@ def copy_model_repository(target: Path, engine_parameters: dict | None = None) -
     target = Path(target)
     for model in (deploy.PREDICT_MODEL, deploy.STREAM_MODEL):
         shutil.copytree(MODEL_REPOSITORY / model, target / model, ignore=shutil.ignore_patterns("weights", "__pycache__"))
+    from cubeserve.serving.repository import with_string_parameters
+
     config = target / deploy.STREAM_MODEL / "config.pbtxt"
-    text = config.read_text()
-    for key, value in (engine_parameters or {}).items():
-        text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\g<1>"{value}"', text)
-        if count != 1:
-            raise ValueError(f"{config} has no string parameter {key!r}")
-    config.write_text(text)
+    config.write_text(with_string_parameters(config.read_text(), engine_parameters or {}, config))
     return target
 
 

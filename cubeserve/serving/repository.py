@@ -28,7 +28,6 @@ INSTANCE_KINDS = ("cpu", "gpu")
 _GPU_GROUP = "instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"
 _CPU_GROUP = "instance_group [ { count: 1 kind: KIND_CPU } ]"
 _INSTANCE_GROUP = re.compile(r"^instance_group \[.*\]$", re.MULTILINE)
-_QUANTIZATION = re.compile(r'(\{ key: "quantization" value: \{ string_value: )"[^"]*"')
 
 
 def template_repository() -> Path:
@@ -45,9 +44,16 @@ def _config_with_instance_group(config: Path, group: str, quantization: str | No
     if count != 1:
         raise ValueError(f"{config}: expected one single-line `instance_group [ ... ]`, found {count}")
     if quantization is not None:
-        text, count = _QUANTIZATION.subn(rf'\1"{quantization}"', text)
+        text = with_string_parameters(text, {"quantization": quantization}, config)
+    return text
+
+
+def with_string_parameters(text: str, parameters: dict, where: Path) -> str:
+    """A model config's text with these of its string parameters set (each must be there once)."""
+    for key, value in parameters.items():
+        text, count = re.subn(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\g<1>"{value}"', text)
         if count != 1:
-            raise ValueError(f"{config}: expected one `quantization` parameter, found {count}")
+            raise ValueError(f"{where} has no string parameter {key!r}")
     return text
 
 
