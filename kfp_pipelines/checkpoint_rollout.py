@@ -42,11 +42,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # -- the steps (plain functions; `build` makes them components of an image) ----------------------
 
 def validate(checkpoint: str, model_store: str, registry_uri: str, model_name: str, device: str,
-             pipeline_run_id: str) -> NamedTuple("ValidateOutputs", [("validation", dict), ("action", str),
+             pipeline_run_id: str, quantization: str = "none") -> NamedTuple("ValidateOutputs", [("validation", dict), ("action", str),
                                                                      ("version", str), ("mlflow_run_id", str)]):
     """The run's Secrets, object store and registry answer (first, so a missing one fails the
     run at once); only safetensors + configs, strict load, version detected, sha256 of every
-    file; opens this pipeline run's MLflow run; decides what the run does (new, resume or done)."""
+    file; opens this pipeline run's MLflow run; decides what the run does (new, resume or done),
+    for the checkpoint as served (`quantization` is part of its identity)."""
     from collections import namedtuple
 
     from cubeserve.pipeline.steps import DEVICES, DONE, mark_finished, plan_run, preflight, validate_checkpoint
@@ -56,7 +57,7 @@ def validate(checkpoint: str, model_store: str, registry_uri: str, model_name: s
         raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     preflight(checkpoint, model_store)
     registry = open_registry(registry_uri, model_name)
-    result = validate_checkpoint(checkpoint)
+    result = validate_checkpoint(checkpoint, quantization)
     action, version, why = plan_run(registry, result["sha256"])
     run_id = registry.start_run(pipeline_run_id, {
         "checkpoint": checkpoint, "sha256": result["sha256"], "config_name": result["config_name"],
@@ -69,15 +70,18 @@ def validate(checkpoint: str, model_store: str, registry_uri: str, model_name: s
 
 
 def evaluate(checkpoint: str, prompts: list, resolution: int, device: str, heldout_shapes: int, registry_uri: str,
-             model_name: str, mlflow_run_id: str, metrics: Output[Metrics], report: Output[HTML]) -> dict:
-    """Meshes for the fixed prompts, compared with the champion's tokens when there is one; the
-    metrics and the HTML report also go to the run's MLflow run."""
+             model_name: str, mlflow_run_id: str, metrics: Output[Metrics], report: Output[HTML],
+             quantization: str = "none") -> dict:
+    """Meshes for the fixed prompts, compared with the champion's tokens when there is one (and,
+    quantized, with the unquantized checkpoint by the numerics harness); the metrics and the
+    HTML report also go to the run's MLflow run."""
     from cubeserve.pipeline.steps import evaluate_checkpoint, fetch_champion
     from cubeserve.registry import open_registry
 
     registry = open_registry(registry_uri, model_name)
     champion_weights = fetch_champion(registry)
-    result = evaluate_checkpoint(checkpoint, list(prompts), resolution, device, champion_weights, heldout_shapes)
+    result = evaluate_checkpoint(checkpoint, list(prompts), resolution, device, champion_weights, heldout_shapes,
+                                 quantization)
     for key, value in result["metrics"].items():
         metrics.log_metric(key, float(value))
     with open(report.path, "w") as f:
@@ -88,12 +92,12 @@ def evaluate(checkpoint: str, prompts: list, resolution: int, device: str, heldo
 
 
 def gate(metrics: dict, min_valid_share: float, min_watertight_share: float, min_token_agreement: float,
-         max_time_per_output_token_s: float, min_shape_iou: float) -> str:
+         max_time_per_output_token_s: float, min_shape_iou: float, min_numerics_agreement: float = 0.0) -> str:
     """Fails the run (before anything is packaged) when a metric misses its threshold."""
     from cubeserve.pipeline.steps import gate as check
 
     summary = check(metrics, min_valid_share, min_watertight_share, min_token_agreement,
-                    max_time_per_output_token_s, min_shape_iou)
+                    max_time_per_output_token_s, min_shape_iou, min_numerics_agreement)
     print(summary)
     return summary
 
@@ -230,6 +234,8 @@ def build(image: str):
         max_time_per_output_token_s: float = 1.0,
         heldout_shapes: int = 0,
         min_shape_iou: float = 0.0,
+        quantization: str = "none",
+        min_numerics_agreement: float = 0.95,
         target: str = "kserve",
         triton_url: str = "",
         canary_percent: int = 10,
@@ -264,6 +270,8 @@ def build(image: str):
             max_time_per_output_token_s: Gate: the most seconds per generated token.
             heldout_shapes: Score generations against this many held-out procedural shapes (the demo benchmark; 0 = off).
             min_shape_iou: Gate: the least mean IoU on those shapes (needs heldout_shapes > 0).
+            quantization: none, int8 or int4: serve the GPT's weights quantized (weight-only, at load); the checkpoint quantized is a version of its own.
+            min_numerics_agreement: Gate (quantization only): the least teacher-forced top-1 agreement of the quantized weights with the unquantized checkpoint on the prompts.
             target: kserve (the InferenceService isvc in namespace) or local (a tritonserver at triton_url).
             triton_url: host:port of the tritonserver's REST port (target local only).
             canary_percent: Share of the traffic for the canary (target kserve).
@@ -285,7 +293,8 @@ def build(image: str):
         _pod(done, "finish")
         with dsl.ExitHandler(done, name="checkpoint"):
             checked = _pod(c["validate"](checkpoint=checkpoint, model_store=model_store, registry_uri=registry_uri,
-                                         model_name=model_name, device=device, pipeline_run_id=run_id), "validate")
+                                         model_name=model_name, device=device, pipeline_run_id=run_id,
+                                         quantization=quantization), "validate")
             action, mlflow_run = checked.outputs["action"], checked.outputs["mlflow_run_id"]
             rollout_args = dict(target=target, registry_uri=registry_uri, model_name=model_name,
                                 canary_percent=canary_percent, soak_requests=soak_requests,
@@ -298,7 +307,7 @@ def build(image: str):
             with dsl.If(action == "new", name="new-checkpoint"):
                 evaluate_args = dict(checkpoint=checkpoint, prompts=prompts, resolution=resolution, device=device,
                                      heldout_shapes=heldout_shapes, registry_uri=registry_uri,
-                                     model_name=model_name, mlflow_run_id=mlflow_run)
+                                     model_name=model_name, mlflow_run_id=mlflow_run, quantization=quantization)
                 with dsl.If(device == "cuda", name="on-gpu"):
                     on_gpu = _pod(c["evaluate"](**evaluate_args), "evaluate-gpu")
                     on_gpu.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(1)
@@ -313,7 +322,8 @@ def build(image: str):
                                         min_watertight_share=min_watertight_share,
                                         min_token_agreement=min_token_agreement,
                                         max_time_per_output_token_s=max_time_per_output_token_s,
-                                        min_shape_iou=min_shape_iou), "gate")
+                                        min_shape_iou=min_shape_iou,
+                                        min_numerics_agreement=min_numerics_agreement), "gate")
                 packaged = _pod(c["package"](checkpoint=checkpoint, model_store=model_store,
                                              instance_kind=instance_kind, validation=checked.outputs["validation"],
                                              registry_uri=registry_uri, model_name=model_name, target=target,

@@ -134,6 +134,20 @@ def test_another_checkpoint_is_compared_with_the_champion_and_stopped_at_the_gat
     assert_champion_serving(cluster, "1")
 
 
+def test_the_same_checkpoint_quantized_is_a_version_of_its_own_held_to_its_parent(cluster, first_run, good):
+    """Version 1's files with quantization int8 are not "done": they are another served version,
+    evaluated quantized against the unquantized checkpoint, here stopped by the numerics gate."""
+    result = cluster.run(str(good), quantization="int8", min_numerics_agreement=1.01)
+    assert result.task("validate").outputs["action"] == "new"
+    assert result.task("validate").outputs["validation"]["quantization"] == "int8"
+    assert result.state == FAILED and "numerics_agreement" in result.task("gate").error
+    metrics = result.task("evaluate-2").outputs["Output"]
+    assert 0.0 <= metrics["numerics_agreement"] <= 1.0 and metrics["numerics_kl"] >= 0.0
+    assert not result.ran("package") and result.task("finish").state == SUCCEEDED
+    assert [v.version for v in registry(cluster).versions()] == ["1"]
+    assert_champion_serving(cluster, "1")
+
+
 @pytest.mark.parametrize("case", ["bad uri", "no secret", "wrong key", "registry unreachable", "bad device"])
 def test_bad_input_fails_naming_it_and_the_champion_keeps_serving(cluster, first_run, good, case):
     params, secrets, expect = {}, None, ""

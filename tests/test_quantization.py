@@ -194,3 +194,31 @@ def test_a_quantized_checkpoint_version_is_served_as_its_engine_computes_it(tmp_
     engine = Engine.from_dir(DEMO_MODEL, quantization="int8")
     want = engine.generate_tokens(numerics.requests_for(["a big hoop"]))[0]
     assert list(result.tokens) == want.tolist() and result.num_faces > 0
+
+
+def test_a_quantized_checkpoint_is_a_version_of_its_own_in_the_pipeline():
+    """The pipeline's identity of what is served: the same files quantized get another digest
+    (registered, packaged and rolled out on their own); unquantized keeps the files' digest."""
+    from cubeserve.pipeline.steps import checkpoint_digest, validate_checkpoint
+
+    plain, int8 = validate_checkpoint(str(DEMO_MODEL)), validate_checkpoint(str(DEMO_MODEL), "int8")
+    assert plain["sha256"] == plain["checkpoint_sha256"] == checkpoint_digest(plain["files_sha256"])
+    assert int8["checkpoint_sha256"] == plain["sha256"] != int8["sha256"]
+    assert (int8["quantization"], plain["quantization"]) == ("int8", "none")
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, got 'int2'"):
+        validate_checkpoint("s3://nowhere/checkpoint", "int2")
+
+
+def test_the_pipeline_holds_a_quantized_checkpoint_to_its_parent():
+    from cubeserve.pipeline.steps import GateFailed, evaluate_checkpoint, gate
+
+    prompts = list(numerics.PROMPTS[:3])
+    quantized = evaluate_checkpoint(str(DEMO_MODEL), prompts, resolution=4, quantization="int8")["metrics"]
+    assert 0.9 <= quantized["numerics_agreement"] <= 1 and quantized["numerics_iou"] > 0.8
+    plain = evaluate_checkpoint(str(DEMO_MODEL), prompts, resolution=4)["metrics"]
+    assert plain["numerics_agreement"] == plain["numerics_kl"] == -1.0
+    limits = dict(min_valid_share=0, min_watertight_share=0, min_token_agreement=0, max_time_per_output_token_s=10)
+    gate(plain, **limits, min_numerics_agreement=0.99)  # nothing quantized: not checked
+    gate(quantized, **limits, min_numerics_agreement=0.5)
+    with pytest.raises(GateFailed, match=r"numerics_agreement 0\.\d+ < 1\.01"):
+        gate(quantized, **limits, min_numerics_agreement=1.01)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cubeserve import deploy
 from cubeserve.checkpoint import CheckpointError, load_models, sha256_file, version_style
-from cubeserve.config import to_yaml_dict
+from cubeserve.config import QUANTIZATIONS, to_yaml_dict
 from cubeserve.deploy import STREAM_MODEL
 
 # The only files a checkpoint may hold: tensors as safetensors, configs and tokenizer files as
@@ -92,12 +92,19 @@ def preflight(checkpoint: str, model_store: str) -> None:
     storage.list_dirs(model_store)  # the endpoint answers, the credentials are good, the bucket exists
 
 
-def validate_checkpoint(checkpoint: str) -> dict:
+def validate_checkpoint(checkpoint: str, quantization: str = "none") -> dict:
     """Files, headers, version and a strict load (`cubeserve.checkpoint.load_models`); returns
     what the registry records.
 
+    `quantization` (none | int8 | int4) is part of what is served, so of the identity: `sha256`
+    is the checkpoint's digest for "none", and a digest of it and the quantization otherwise
+    (`served_digest`): the same checkpoint quantized is another version, registered, packaged
+    and rolled out on its own; `checkpoint_sha256` is the files' digest either way.
+
     Raises CheckpointError naming the file for a pickle (by suffix or content), a truncated
     file, unexpected files, or weights that do not match the config (e.g. v0.5 with v0.1)."""
+    if quantization not in QUANTIZATIONS:  # before anything is downloaded
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     root = Path(fetch_checkpoint(checkpoint))
     if not root.is_dir():
         raise CheckpointError(f"{checkpoint}: not a directory")
@@ -110,8 +117,18 @@ def validate_checkpoint(checkpoint: str) -> dict:
         "version": version_style(cfg.gpt.use_bbox),  # the weights' own: load_models checked they agree
         "num_tokens": cfg.num_tokens,
         "files_sha256": file_sha256,
-        "sha256": checkpoint_digest(file_sha256),
+        "checkpoint_sha256": checkpoint_digest(file_sha256),
+        "quantization": quantization,
+        "sha256": served_digest(checkpoint_digest(file_sha256), quantization),
     }
+
+
+def served_digest(checkpoint_sha256: str, quantization: str) -> str:
+    """The identity of what is served: the checkpoint's digest, or with a quantization a digest
+    of both (so an unquantized checkpoint keeps the digest it was always registered under)."""
+    if quantization == "none":
+        return checkpoint_sha256
+    return hashlib.sha256(f"{checkpoint_sha256} quantization={quantization}\n".encode()).hexdigest()
 
 
 # -- 2. evaluate -------------------------------------------------------------------------------
@@ -146,11 +163,16 @@ def _token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def evaluate_checkpoint(checkpoint: str, prompts: list[str], resolution: int = 5, device: str = "cpu",
-                        champion_weights: str = "", heldout_shapes: int = 0) -> dict:
+                        champion_weights: str = "", heldout_shapes: int = 0, quantization: str = "none") -> dict:
     """Meshes for fixed prompts (greedy, seed 0): validity, timings, agreement with the champion;
     with `heldout_shapes` > 0, also the demo benchmark (`cubeserve.demo.evaluate`): mean IoU of
     generated and of tokenizer-reconstructed meshes against held-out procedural shapes (-1
     when not run). Only models trained on those shapes score well on it.
+
+    With a `quantization`, the checkpoint is evaluated as it will be served (quantized), and the
+    numerics harness (`cubeserve.numerics`) compares it with its unquantized parent in float32
+    on the prompts: numerics_agreement (teacher-forced top-1), numerics_kl, numerics_iou (-1
+    without a quantization).
 
     Returns {"metrics": {...}, "html": report}. Metrics are per run, not per prompt, so that
     the gate and the registry compare like with like."""
@@ -161,7 +183,8 @@ def evaluate_checkpoint(checkpoint: str, prompts: list[str], resolution: int = 5
     from cubeserve.preview import render_preview
 
     torch.manual_seed(0)
-    engine = Engine.from_dir(fetch_checkpoint(checkpoint), device=device)
+    weights = fetch_checkpoint(checkpoint)
+    engine = Engine.from_dir(weights, device=device, quantization=quantization)
     requests = [GenerationRequest(prompt=p, seed=0, resolution=resolution) for p in prompts]
     t0 = time.perf_counter()
     results = engine.generate(requests)
@@ -186,7 +209,18 @@ def evaluate_checkpoint(checkpoint: str, prompts: list[str], resolution: int = 5
         "token_agreement": -1.0,  # no champion to compare with
         "shape_iou": -1.0,
         "shape_reconstruction_iou": -1.0,
+        "numerics_agreement": -1.0,  # no quantization: nothing to compare
+        "numerics_kl": -1.0,
+        "numerics_iou": -1.0,
     }
+    if quantization != "none":
+        from cubeserve import numerics
+
+        parent = Engine.from_dir(weights, device=device, dtype="float32")
+        oracle = numerics.Oracle.of(numerics.EngineDecoder(parent), numerics.requests_for(prompts), resolution)
+        del parent
+        report = numerics.compare(oracle, numerics.EngineDecoder(engine), quantization)
+        metrics.update(numerics_agreement=report.agreement, numerics_kl=report.kl, numerics_iou=report.iou)
     if heldout_shapes > 0:
         from cubeserve.demo.evaluate import evaluate_engine
 
@@ -218,11 +252,17 @@ def _report(checkpoint: str, metrics: dict, rows: list, resolution: int, device:
 # -- 3. gate -----------------------------------------------------------------------------------
 
 def gate(metrics: dict, min_valid_share: float, min_watertight_share: float,
-         min_token_agreement: float, max_time_per_output_token_s: float, min_shape_iou: float = 0.0) -> str:
+         min_token_agreement: float, max_time_per_output_token_s: float, min_shape_iou: float = 0.0,
+         min_numerics_agreement: float = 0.0) -> str:
     """Raise GateFailed listing every threshold missed; a passing summary otherwise.
     Token agreement is only checked against an existing champion (it is -1 without one);
-    a shape-IoU threshold requires the held-out shape benchmark to have run."""
+    a shape-IoU threshold requires the held-out shape benchmark to have run; the numerics
+    agreement is checked for a quantized checkpoint (-1 otherwise)."""
     failures = []
+    measured = metrics.get("numerics_agreement", -1.0)
+    if 0 <= measured < min_numerics_agreement:
+        failures.append(f"numerics_agreement {measured:.3f} < {min_numerics_agreement} (the quantized weights' "
+                        f"teacher-forced agreement with the unquantized checkpoint)")
     if min_shape_iou > 0 and metrics.get("shape_iou", -1.0) < min_shape_iou:
         measured = metrics.get("shape_iou", -1.0)
         failures.append(f"shape_iou {measured:.3f} < {min_shape_iou}" if measured >= 0 else
@@ -294,6 +334,7 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
     if instance_kind not in INSTANCE_KINDS:  # before anything is downloaded
         raise ValueError(f"instance_kind must be one of {', '.join(INSTANCE_KINDS)}, got {instance_kind!r}")
     validation = _integral(validation)
+    quantization = validation.get("quantization", "none")  # part of validation["sha256"]
     existing = store_versions(model_store)
     for version, manifest in existing.items():
         if manifest.get("sha256") == validation["sha256"] and manifest.get("instance_kind") == instance_kind:
@@ -302,7 +343,8 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
     version = claim_version(model_store, max([min_version - 1, *numbered]) + 1,
                             {"sha256": validation["sha256"], "instance_kind": instance_kind})
     with tempfile.TemporaryDirectory() as tmp:
-        repo = build_version_repository(fetch_checkpoint(checkpoint), version, Path(tmp) / "repo", instance_kind)
+        repo = build_version_repository(fetch_checkpoint(checkpoint), version, Path(tmp) / "repo", instance_kind,
+                                        quantization)
         weights = repo / STREAM_MODEL / str(version) / "weights"
         for rel, digest in validation["files_sha256"].items():
             if sha256_file(weights / rel) != digest:
@@ -311,6 +353,7 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
     storage.write_text(manifest_uri(model_store, version), json.dumps({
         "version": version, "sha256": validation["sha256"], "instance_kind": instance_kind,
         "config_name": validation["config_name"], "files_sha256": validation["files_sha256"],
+        "quantization": quantization,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2, sort_keys=True))
     return version
 
@@ -352,6 +395,7 @@ def register(registry_uri: str, model_name: str, model_store: str, triton_versio
             "config": json.dumps(validation["config"], sort_keys=True),
             "config_name": validation["config_name"],
             "checkpoint_version": validation["version"],
+            "quantization": validation.get("quantization", "none"),
             "metrics": json.dumps(metrics, sort_keys=True),
             **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()},
             "source_uri": source_uri,
