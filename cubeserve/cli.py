@@ -135,19 +135,9 @@ def cmd_serve(args) -> int:
     print(f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
           f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
           f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it", flush=True)
-    # SIGTERM (kill, a process manager) stops the server too, as Ctrl-C does, instead of leaving
-    # it running without its parent.
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the cleanup below
-        sys.exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
     try:
-        server.process.wait()
-    except KeyboardInterrupt:
-        pass
+        _wait_then_stop(server)
     finally:
-        server.stop()
         key_file.unlink(missing_ok=True)
     return 0
 
@@ -183,6 +173,22 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _wait_then_stop(child) -> None:
+    """Wait for `child` (its .process, .stop()) until it ends, Ctrl-C or SIGTERM: SIGTERM (kill, a
+    process manager) stops it too, as Ctrl-C does, instead of leaving it running without its parent."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the cleanup below
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        child.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        child.stop()
+
+
 def cmd_gateway(args) -> int:
     """Render the gateway file as Envoy's configuration, validate it, run Envoy (README, "Gateway")."""
     from cubeserve.gateway import config as gateway_config
@@ -206,17 +212,7 @@ def cmd_gateway(args) -> int:
           f"tokens ({cfg.model}); servers meter these tenants when started with "
           f"CUBE3D_TENANTS={','.join(cfg.tenant_ids)}; Ctrl-C stops it", flush=True)
 
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sys.exit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        gateway.process.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        gateway.stop()
+    _wait_then_stop(gateway)
     return 0
 
 
