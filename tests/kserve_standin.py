@@ -27,15 +27,50 @@
     - Raw: pkg/controller/v1beta1/inferenceservice/components/predictor.go 913-1037
       (reconcileCanaryDeployments): one Deployment `<isvc>-<name>-predictor` per canary,
       canaryStatuses {name, ready = AvailableReplicas > 0, trafficPercent}, the
-      CanaryPredictorReady condition, and orphaned predictor Deployments deleted; the stable
-      Deployment is named from spec.predictor.name (pkg/constants/constants.go 799-804).
-    - Raw status: inference_service_status.go 360-457 (PropagateRawStatus): PredictorReady from
-      the stable Deployment's Available condition, `observedGeneration` = the stable
-      Deployment's.
+      CanaryPredictorReady condition, and orphaned predictor Deployments *and Services* deleted
+      (1002-1035); the stable Deployment is named from spec.predictor.name (pkg/constants/
+      constants.go 799-804).
+    - Raw pods: the Deployment's pod template carries KServe's labels (serving.kserve.io/
+      inferenceservice, component, app=isvc.<deployment>: predictor.go buildObjectMeta 498-519,
+      reconcilers/deployment/deployment_reconciler.go createRawDefaultDeployment 140-175) and its
+      annotations, among them the storage URI (predictor.go 294-300).
     - Raw traffic on v0.20.0: the Ingress / HTTPRoute points at the stable predictor's Service
       only (reconcilers/ingress/kube_ingress_reconciler.go 150, httproute_reconciler.go 266);
-      trafficPercent sizes the canary's replicas (predictor.go 886-895) and routes nothing.
-* The deployment mode, per release (`release`, the tag modelled):
+      trafficPercent sizes the canary's replicas (predictor.go 886-895) and routes nothing. With
+      the Gateway API, KServe keeps an HTTPRoute named after the predictor's Service
+      (httproute_reconciler.go reconcilePredictorHTTPRoute 696-757) and one named after the
+      InferenceService (createRawTopLevelHTTPRoute 491-673); a renamed predictor gets a new route
+      and nothing deletes the old one.
+* Per release (`release`, the tag modelled), read at each tag:
+    - Raw PredictorReady (inference_service_status.go PropagateRawStatus: v0.14.0 298, v0.15.0
+      328, v0.16.0/v0.17.0 341, v0.20.0 360): before v0.16.0 the Deployment's Available condition
+      as it is (v0.14.x also writes the Deployment's revision number as latestCreatedRevision);
+      from v0.16.0 Available, overridden by Progressing (False with a message, e.g.
+      ProgressDeadlineExceeded: not ready; True with NewReplicaSetAvailable: ready; True with
+      another reason: Unknown, from v0.20.0 only where Available is not True), Available False and
+      ReplicaFailure True (not ready).
+    - Serverless conditions (PropagateStatus, the same at every tag): PredictorReady,
+      PredictorRouteReady and PredictorConfigurationReady are the Knative Service's Ready,
+      RoutesReady and ConfigurationsReady as they are.
+    - The annotations that never reach a revision or pod template (ServiceAnnotationDisallowedList,
+      pkg/constants/constants.go): min-/max-scale, the storage URI, kubectl's
+      last-applied-configuration, and from v0.17.0 modelFormat.
+* Kubernetes' Deployment controller (github.com/kubernetes/kubernetes, pkg/controller/deployment):
+  a changed pod template makes a new ReplicaSet `<deployment>-<pod-template-hash>` whose
+  `deployment.kubernetes.io/revision` annotation is the highest so far plus one; a template equal
+  to an old ReplicaSet's adopts that one again with a new revision number (sync.go
+  getNewReplicaSet). With one replica and the default RollingUpdate (maxSurge 25% rounds up to 1,
+  maxUnavailable 25% down to 0) the old pod serves until the new one is available, then the old
+  ReplicaSet is scaled to 0 and kept as history. Conditions (util/deployment_util.go,
+  progress.go): Available (MinimumReplicasAvailable / MinimumReplicasUnavailable), Progressing
+  (ReplicaSetUpdated while rolling, NewReplicaSetAvailable when done, False with
+  ProgressDeadlineExceeded once progressDeadlineSeconds pass), ReplicaFailure (FailedCreate).
+* Knative Serving (github.com/knative/serving, knative-v1.15.0, pkg/apis/serving/v1):
+  ConfigurationsReady is Unknown until the latest created revision is ready, False with reason
+  RevisionFailed ("Revision %q failed with message: %s.", configuration_lifecycle.go 96-101) if it
+  fails; the Service's Ready is the living condition set of ConfigurationsReady and RoutesReady
+  (service_lifecycle.go 33-36).
+* The deployment mode, per release:
     - status.deploymentMode: not written before v0.15.1; from v0.15.1 the controller records the
       mode it used (controller.go updateStatus, components/predictor.go), the annotation's value
       ("Serverless" / "RawDeployment") until v0.15.x; from v0.16.0 the new names "Knative" /
@@ -52,6 +87,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from typing import Any
 
@@ -72,6 +108,57 @@ def status_mode(release: str, raw: bool) -> str | None:
         return None
     legacy = "RawDeployment" if raw else "Serverless"
     return _NEW_NAMES[legacy] if _release(release) >= (0, 16, 0) else legacy
+
+
+def disallowed_annotations(release: str) -> tuple[str, ...]:
+    """ServiceAnnotationDisallowedList at `release` (module docstring)."""
+    names = ("autoscaling.knative.dev/min-scale", "autoscaling.knative.dev/max-scale", ANNOTATION_URI,
+             "kubectl.kubernetes.io/last-applied-configuration")
+    return names + (("modelFormat",) if _release(release) >= (0, 17, 0) else ())
+
+
+def _condition(kind: str, status: str, reason: str = "", message: str = "") -> dict:
+    return {"type": kind, "status": status, **({"reason": reason} if reason else {}),
+            **({"message": message} if message else {})}
+
+
+def raw_predictor_ready(release: str, deployment_conditions: list[dict]) -> dict:
+    """PredictorReady as `release`'s PropagateRawStatus derives it from the stable Deployment's
+    conditions (module docstring)."""
+    found = {c["type"]: c for c in deployment_conditions}
+    available, progressing = found.get("Available"), found.get("Progressing")
+    if _release(release) < (0, 16, 0):
+        source = available or {"status": "Unknown"}
+        return _condition("PredictorReady", source["status"], source.get("reason", ""), source.get("message", ""))
+    ready = _condition("PredictorReady", "False")
+    if available and available["status"] == "True":
+        ready = _condition("PredictorReady", "True", available.get("reason", ""), available.get("message", ""))
+    if progressing is not None:
+        reason, message = progressing.get("reason", ""), progressing.get("message", "")
+        if progressing["status"] == "False":
+            if message:
+                ready = _condition("PredictorReady", "False", reason, message)
+        elif progressing["status"] == "True":
+            if reason == "NewReplicaSetAvailable":
+                ready = _condition("PredictorReady", "True", reason, message)
+            elif _release(release) < (0, 20, 0) or not (available and available["status"] == "True"):
+                ready = _condition("PredictorReady", "Unknown", reason, message)
+    if available and available["status"] == "False":
+        ready = _condition("PredictorReady", "False", available.get("reason", ""), available.get("message", ""))
+    failure = found.get("ReplicaFailure")
+    if failure and failure["status"] == "True":
+        ready = _condition("PredictorReady", "False", failure.get("reason", ""), failure.get("message", ""))
+    return ready
+
+
+def _living(conditions: list[dict]) -> dict:
+    """A Knative living condition set's Ready: False if a dependent is False, else Unknown if
+    one is Unknown, else True (knative.dev/pkg apis/condition_set.go)."""
+    for status in ("False", "Unknown"):
+        for c in conditions:
+            if c["status"] == status:
+                return _condition("Ready", status, c.get("reason", ""), c.get("message", ""))
+    return _condition("Ready", "True")
 
 
 def validate_update(release: str, old: dict, new: dict) -> None:
@@ -237,6 +324,97 @@ class ObjectStore:
         self._store(new, admit=False)
 
 
+DEPLOYMENT_REVISION = "deployment.kubernetes.io/revision"
+ISVC_LABEL = "serving.kserve.io/inferenceservice"
+
+
+class Deployment:
+    """One Deployment with one replica and its ReplicaSets, as Kubernetes' Deployment controller
+    keeps them (module docstring). `template` is the pod template (JSON), `uri` what it downloads."""
+
+    def __init__(self, name: str, template: str, uri: str | None):
+        self.name, self.generation = name, 1
+        self.replica_sets: list[dict] = []  # {"name", "template", "uri", "revision", "available"}
+        self.stalled = False  # progressDeadlineSeconds passed before the new pod was available
+        self.replica_failure: str | None = None  # why the ReplicaSet cannot create its pod
+        self._roll(template, uri)
+
+    def _roll(self, template: str, uri: str | None) -> None:
+        revision = max((rs["revision"] for rs in self.replica_sets), default=0) + 1
+        for rs in self.replica_sets:
+            if rs["template"] == template:  # sync.go getNewReplicaSet: the old one, adopted again
+                rs["revision"] = revision
+                break
+        else:
+            digest = hashlib.sha256(template.encode()).hexdigest()[:10]
+            self.replica_sets.append({"name": f"{self.name}-{digest}", "template": template, "uri": uri,
+                                      "revision": revision, "available": 0})
+        self.template, self.uri, self.stalled = template, uri, False
+
+    def update(self, template: str, uri: str | None) -> bool:
+        """KServe writes the Deployment's pod template; True when a new pod must start (a rolling
+        update, unless the template is that of a ReplicaSet whose pod still serves)."""
+        if template == self.template:
+            return False
+        self.generation += 1
+        self._roll(template, uri)
+        return not self.new["available"]
+
+    @property
+    def new(self) -> dict:
+        return next(rs for rs in self.replica_sets if rs["template"] == self.template)
+
+    def start_pods(self) -> None:
+        """The new pod is available: the rolling update scales the old ReplicaSets to 0."""
+        for rs in self.replica_sets:
+            rs["available"] = int(rs is self.new)
+        self.stalled = False
+
+    @property
+    def serving(self) -> str | None:
+        """The storage URI the available pods serve (the old one while a rolling update runs)."""
+        pods = [rs for rs in self.replica_sets if rs["available"]]
+        return pods[0]["uri"] if pods else None
+
+    def conditions(self) -> list[dict]:
+        new = self.new
+        old = [rs for rs in self.replica_sets if rs is not new and rs["available"]]
+        if new["available"] or old:
+            conditions = [_condition("Available", "True", "MinimumReplicasAvailable", "Deployment has minimum availability.")]
+        else:
+            conditions = [_condition("Available", "False", "MinimumReplicasUnavailable",
+                                     "Deployment does not have minimum availability.")]
+        if new["available"] and not old:
+            conditions.append(_condition("Progressing", "True", "NewReplicaSetAvailable",
+                                         f'ReplicaSet "{new["name"]}" has successfully progressed.'))
+        elif self.stalled:
+            conditions.append(_condition("Progressing", "False", "ProgressDeadlineExceeded",
+                                         f'ReplicaSet "{new["name"]}" has timed out progressing.'))
+        else:
+            conditions.append(_condition("Progressing", "True", "ReplicaSetUpdated",
+                                         f'ReplicaSet "{new["name"]}" is progressing.'))
+        if self.replica_failure:
+            conditions.append(_condition("ReplicaFailure", "True", "FailedCreate", self.replica_failure))
+        return conditions
+
+    def replica_set_objects(self, isvc: str, namespace: str) -> list[dict]:
+        """The ReplicaSets as the API server lists them (labels from the pod template plus
+        pod-template-hash, the revision annotation, the owner reference)."""
+        return [{
+            "apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": rs["name"], "namespace": namespace,
+                         "labels": {ISVC_LABEL: isvc, "component": "predictor", "app": f"isvc.{self.name}",
+                                    "pod-template-hash": rs["name"].rsplit("-", 1)[1]},
+                         "annotations": {DEPLOYMENT_REVISION: str(rs["revision"])},
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "name": self.name,
+                                              "uid": f"uid-{self.name}", "controller": True}]},
+            "spec": {"replicas": int(rs is self.new or bool(rs["available"])),
+                     "template": {"metadata": {"annotations": {ANNOTATION_URI: rs["uri"]}}}},
+            "status": {"replicas": rs["available"], "readyReplicas": rs["available"],
+                       "availableReplicas": rs["available"]}}
+            for rs in self.replica_sets]
+
+
 def predictor_service_name(isvc: str, predictor: str | None) -> str:
     """pkg/constants/constants.go 799-804."""
     return f"{isvc}-{predictor}-predictor" if predictor else f"{isvc}-predictor"
@@ -253,15 +431,22 @@ class KServeController:
         self.ksvc_generation = 0
         self.ksvc_template = None
         self.ksvc_spec = None
-        self.deployments: dict[str, dict] = {}  # Raw: name -> {"uri", "serving", "generation"}
+        self.deployments: dict[str, Deployment] = {}  # Raw: by name
+        self.services: set[str] = set()  # Raw: KServe's predictor Services
+        self.httproutes: dict[str, str] = {}  # Raw, Gateway API: KServe's HTTPRoutes -> the Service they send to
         self.model_starts: list[str] = []  # every model server that had to start (download + load)
         self.deleted: list[str] = []
         self.traffic_history: list[list[tuple[str, int]]] = []  # (uri, percent) served after each reconcile
 
     # -- Serverless -----------------------------------------------------------------------------
 
+    def _annotations(self, isvc: dict) -> dict:
+        """The InferenceService's annotations that reach a revision or pod template."""
+        disallowed = disallowed_annotations(self.release)
+        return {k: v for k, v in (isvc["metadata"].get("annotations") or {}).items() if k not in disallowed}
+
     def _template(self, isvc: dict) -> str:
-        annotations = dict(isvc["metadata"].get("annotations") or {})
+        annotations = self._annotations(isvc)
         predictor = {k: v for k, v in isvc["spec"]["predictor"].items() if k != "canaryTrafficPercent"}
         return json.dumps({"annotations": annotations, "predictor": predictor}, sort_keys=True)
 
@@ -281,7 +466,7 @@ class KServeController:
             self.ksvc_template = template
             uri = isvc["spec"]["predictor"]["model"].get("storageUri")
             self.revisions.append({"name": f"{name}-predictor-{len(self.revisions) + 1:05d}", "uri": uri,
-                                   "ready": False})
+                                   "ready": False, "failed": None})
             self.model_starts.append(self.revisions[-1]["name"])
         percent = isvc["spec"]["predictor"].get("canaryTrafficPercent")
         tag_routing = (isvc["metadata"].get("annotations") or {}).get("serving.kserve.io/enable-tag-routing") == "true"
@@ -320,8 +505,17 @@ class KServeController:
                         component["latestRolledoutRevision"] = component["previousRolledoutRevision"]
         component["latestReadyRevision"] = latest_ready
         component["traffic"] = traffic
-        ready = bool(latest_ready) and latest_ready == created
-        status["conditions"] = [{"type": t, "status": "True" if ready else "False"} for t in ("PredictorReady", "Ready")]
+        # Knative's conditions, copied by PropagateStatus (module docstring).
+        failed = self.revisions[-1]["failed"]
+        if failed:
+            configuration = _condition("ConfigurationsReady", "False", "RevisionFailed",
+                                       f'Revision "{created}" failed with message: {failed}.')
+        else:
+            configuration = _condition("ConfigurationsReady", "True" if latest_ready == created else "Unknown")
+        routes = _condition("RoutesReady", "True" if traffic else "Unknown")
+        ready = _living([configuration, routes])
+        status["conditions"] = [{**ready, "type": "PredictorReady"}, {**routes, "type": "PredictorRouteReady"},
+                                {**configuration, "type": "PredictorConfigurationReady"}, ready]
         status["observedGeneration"] = self.ksvc_generation
         self._record_mode(status, raw=False)
         uris = {r["name"]: r["uri"] for r in self.revisions}
@@ -340,14 +534,23 @@ class KServeController:
 
     # -- RawDeployment ----------------------------------------------------------------------------
 
-    def _deployment(self, name: str, uri: str | None) -> dict:
+    def _pod_template(self, isvc: dict, predictor: dict) -> str:
+        """What reaches the pod template: the allowed annotations and the predictor's pod spec
+        (its name and replica bounds name and size the Deployment; they are not in the template)."""
+        pod = {k: v for k, v in predictor.items() if k not in ("name", "minReplicas", "maxReplicas", "canaryTrafficPercent")}
+        # The model's container is kserve-container whether the spec names it or not.
+        pod["model"] = {"name": "kserve-container", **pod.get("model", {})}
+        return json.dumps({"annotations": self._annotations(isvc), "predictor": pod}, sort_keys=True)
+
+    def _deployment(self, name: str, isvc: dict, predictor: dict) -> Deployment:
+        template, uri = self._pod_template(isvc, predictor), predictor["model"].get("storageUri")
         deployment = self.deployments.get(name)
         if deployment is None:
-            deployment = self.deployments[name] = {"uri": uri, "serving": None, "generation": 1}
+            deployment = self.deployments[name] = Deployment(name, template, uri)
             self.model_starts.append(name)
-        elif deployment["uri"] != uri:  # a new pod template: a rolling update starts a new pod
-            deployment.update(uri=uri, generation=deployment["generation"] + 1)
+        elif deployment.update(template, uri):  # a rolling update: a new pod downloads and loads
             self.model_starts.append(name)
+        self.services.add(name)  # its Service has the same name
         return deployment
 
     def _reconcile_raw(self, isvc: dict) -> dict:
@@ -355,15 +558,15 @@ class KServeController:
         spec = isvc["spec"]
         status = copy.deepcopy(isvc.get("status") or {})
         stable_name = predictor_service_name(name, spec["predictor"].get("name"))
-        stable = self._deployment(stable_name, spec["predictor"]["model"].get("storageUri"))
+        stable = self._deployment(stable_name, isvc, spec["predictor"])
         expected = {stable_name}
         canary_statuses = []
         for canary in spec.get("canary") or []:  # predictor.go 913-1000
             merged = json_merge_patch(spec["predictor"], canary["predictor"])
             deployment_name = predictor_service_name(name, canary["predictor"]["name"])
             expected.add(deployment_name)
-            deployment = self._deployment(deployment_name, merged["model"].get("storageUri"))
-            canary_statuses.append({"name": canary["predictor"]["name"], "ready": deployment["serving"] is not None,
+            deployment = self._deployment(deployment_name, isvc, merged)
+            canary_statuses.append({"name": canary["predictor"]["name"], "ready": deployment.serving is not None,
                                     "trafficPercent": canary["trafficPercent"]})
         conditions = [c for c in status.get("conditions", []) if c["type"] != "CanaryPredictorReady"]
         if canary_statuses:
@@ -373,19 +576,31 @@ class KServeController:
                                "reason": "AllCanariesReady" if all_ready else "CanariesNotReady"})
         else:
             status.pop("canaryStatuses", None)
-        for orphan in sorted(set(self.deployments) - expected):  # predictor.go 1002-1019
-            del self.deployments[orphan]
+        for orphan in sorted(set(self.deployments) - expected):  # predictor.go 1002-1035
+            del self.deployments[orphan]  # its ReplicaSets go with it (owner references)
+            self.services.discard(orphan)
             self.deleted.append(orphan)
-        # PropagateRawStatus: Available as soon as a pod (old or new) is available.
-        ready = stable["serving"] is not None
+        # httproute_reconciler.go: the predictor's route under its Service's name (a route of an
+        # older name stays) and the InferenceService's own route, both to the stable predictor.
+        self.httproutes[stable_name] = stable_name
+        self.httproutes[name] = stable_name
+        ready = raw_predictor_ready(self.release, stable.conditions())
         conditions = [c for c in conditions if c["type"] not in ("PredictorReady", "Ready")]
-        conditions += [{"type": t, "status": "True" if ready else "False"} for t in ("PredictorReady", "Ready")]
+        conditions += [ready, {**ready, "type": "Ready"}]
         status["conditions"] = conditions
-        status["observedGeneration"] = stable["generation"]
+        if _release(self.release) < (0, 15, 0):  # v0.14.x: the Deployment's revision number
+            component = status.setdefault("components", {}).setdefault("predictor", {})
+            component["latestCreatedRevision"] = str(stable.new["revision"])
+        status["observedGeneration"] = stable.generation
         self._record_mode(status, raw=True)
-        # The Ingress sends everything to the stable predictor's Service (v0.20.0).
-        self.traffic_history.append([(stable["serving"], 100)] if ready else [])
+        # The Ingress sends everything to the stable predictor's Service (v0.20.0), whose pods
+        # serve the old template until the new pod is available.
+        self.traffic_history.append([(stable.serving, 100)] if stable.serving else [])
         return status
+
+    def replica_set_objects(self, namespace: str = "models") -> list[dict]:
+        return [rs for d in self.deployments.values()
+                for rs in d.replica_set_objects(self.store.obj["metadata"]["name"], namespace)]
 
     # -- both -----------------------------------------------------------------------------------
 
@@ -410,11 +625,21 @@ class KServeController:
         """The pods of a revision or Deployment (default: every one) become ready; KServe then
         reconciles."""
         for r in self.revisions:
-            if name in (None, r["name"]):
+            if name in (None, r["name"]) and not r["failed"]:
                 r["ready"] = True
         for deployment_name, d in self.deployments.items():
             if name in (None, deployment_name):
-                d["serving"] = d["uri"]
+                d.start_pods()
+        return self.reconcile()
+
+    def fail_pods(self, name: str, message: str = "Container failed with: model download failed") -> dict:
+        """The new pods of revision or Deployment `name` never become ready: Knative marks the
+        revision failed; the Deployment's progress deadline passes."""
+        for r in self.revisions:
+            if r["name"] == name:
+                r["failed"] = message
+        if name in self.deployments:
+            self.deployments[name].stalled = True
         return self.reconcile()
 
     def serving(self) -> list[tuple[str, int]]:

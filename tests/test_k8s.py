@@ -684,6 +684,9 @@ def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
         ((rollout.cluster.GROUP,), ("servingruntimes",), ("cube-serve-triton",)): ["get"],
         # Serverless state: the storageUri of each revision the status names.
         (("serving.knative.dev",), ("revisions",), ()): ["get"],
+        # RawDeployment state: what the predictor Deployments' ReplicaSets serve (listed by
+        # KServe's label; a list cannot be limited by resourceNames).
+        (("apps",), ("replicasets",), ()): ["list"],
     }
     # The batch pipeline's step: create its RayJob, read it until it ends (tests/test_batch.py
     # records the calls against the KubeRay stand-in).

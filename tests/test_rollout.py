@@ -21,13 +21,29 @@ import yaml
 from cubeserve import rollout as r
 from cubeserve.rollout import cli, plans
 from cubeserve.rollout.preflight import ClusterFacts, check
-from k8s_validation import (GATEWAY_API_RELEASES, ApiHandler, crd_errors, find, gateway_api_errors, kserve_crd,
-                            render, require_crds, require_releases, supported_releases, validate)
+from k8s_validation import (EXCLUDED_KSERVE, GATEWAY_API_RELEASES, KSERVE_RELEASES, ApiHandler, crd_errors, find,
+                            gateway_api_errors, kserve_crd, kserve_version, render, require_crds, require_releases,
+                            supported_releases, validate)
 from kserve_standin import ApiError, KServeController, ObjectStore
 
 BASE = "s3://replace-me-model-bucket/cube3d"
 REGISTRY = r.VersionRegistry(BASE, ("1", "2", "3"))
 
+
+
+# The KServe releases tests/kserve_standin.py models (each step of its per-release behaviour), and
+# those the manifests support (k8s_validation.EXCLUDED_KSERVE, README): the rollout tests run on each.
+MODELLED_KSERVE = ("v0.14.0", "v0.15.0", "v0.15.1", "v0.16.0", "v0.17.0", "v0.19.0", "v0.20.0")
+SUPPORTED_MODELLED = tuple(release for release in MODELLED_KSERVE if release not in EXCLUDED_KSERVE)
+per_release = pytest.mark.parametrize("release", SUPPORTED_MODELLED)
+
+
+def crd_release(release: str) -> str:
+    """The newest release at or before `release` whose CRDs are in tests/data/kserve: the fields
+    the tool writes (spec.canary, spec.predictor.name, both from v0.20.0) are the same in between."""
+    return max((r for r in KSERVE_RELEASES if kserve_version(r) <= kserve_version(release)), key=kserve_version)
+# Serverless canaries on every release; RawDeployment canaries (spec.canary) from v0.20.0.
+SERVERLESS_AND_RAW_CANARIES = [("canary", release) for release in SUPPORTED_MODELLED] + [("raw", "v0.20.0")]
 
 
 def overlay_isvc(overlay: str) -> dict:
@@ -51,12 +67,18 @@ class World:
     def isvc(self) -> dict:
         return self.store.get()
 
+    def revisions(self):
+        """What the pods serve, as `Cluster.revisions` / `Cluster.replica_sets` read it."""
+        if self.kserve.raw():
+            return r.replica_sets_of(self.kserve.replica_set_objects())
+        return self.kserve.revision_uris()
+
     def state(self) -> r.RolloutState:
-        return r.rollout_state(self.isvc, REGISTRY, self.kserve.revision_uris())
+        return r.rollout_state(self.isvc, REGISTRY, self.revisions())
 
     def plan(self, action: str, *args, **kwargs) -> r.Plan:
         planner = {"canary": r.plan_canary, "promote": r.plan_promote, "rollback": r.plan_rollback}[action]
-        return planner(self.isvc, REGISTRY, *args, revisions=self.kserve.revision_uris(), **kwargs)
+        return planner(self.isvc, REGISTRY, *args, revisions=self.revisions(), **kwargs)
 
     def send(self, plan: r.Plan, reconcile: bool = True) -> dict:
         """The patch as `Cluster.patch` sends it; KServe reconciles (unless it lags)."""
@@ -91,8 +113,9 @@ def assert_valid(isvc: dict, releases: tuple[str, ...] | None = None) -> None:
 
 # -- Serverless: canaryTrafficPercent --------------------------------------------------------------
 
-def test_serverless_canary_share_and_promote_without_a_restart():
-    world = World("canary")
+@per_release
+def test_serverless_canary_share_and_promote_without_a_restart(release):
+    world = World("canary", release=release)
     assert world.state().phase == "stable" and world.state().stable == "1"
     assert world.kserve.serving() == [(f"{BASE}/1/", 100)]
 
@@ -132,8 +155,9 @@ def test_serverless_canary_share_and_promote_without_a_restart():
     assert world.state().stable_uri == f"{BASE}/2/"
 
 
-def test_a_status_that_lags_the_spec_is_not_taken_for_the_new_revision():
-    world = World("canary")
+@per_release
+def test_a_status_that_lags_the_spec_is_not_taken_for_the_new_revision(release):
+    world = World("canary", release=release)
     world.kserve.start_pods()
     world.send(world.plan("canary", "2", 10), reconcile=False)  # KServe has not seen the patch yet
     state = world.state()
@@ -143,8 +167,9 @@ def test_a_status_that_lags_the_spec_is_not_taken_for_the_new_revision():
     assert world.plan("promote", force=True).changed  # --force skips the check
 
 
-def test_serverless_rollback_with_wait_never_gives_the_canary_all_the_traffic(monkeypatch):
-    world = World("canary")
+@per_release
+def test_serverless_rollback_with_wait_never_gives_the_canary_all_the_traffic(release, monkeypatch):
+    world = World("canary", release=release)
     world.do("canary", "2", 25)
     world.kserve.start_pods()
     # The Knative Service's generation (which KServe reports as status.observedGeneration) runs
@@ -154,7 +179,7 @@ def test_serverless_rollback_with_wait_never_gives_the_canary_all_the_traffic(mo
     # revision, and finish the rollback by sending 100% to version 2.
     while world.isvc["status"]["observedGeneration"] < world.isvc["metadata"]["generation"] + 1:
         world.kserve.bump_ksvc()
-    cluster = FakeCluster(world, lag_gets=2, pods_after_gets=5)
+    cluster = FakeCluster(world, release=release, lag_gets=2, pods_after_gets=5)
     code, out = run(cluster, monkeypatch, "rollback", "--wait", "600")
     assert code == 0, out
     assert cluster.lagged_generations_matched  # the trap was set
@@ -165,10 +190,10 @@ def test_serverless_rollback_with_wait_never_gives_the_canary_all_the_traffic(mo
     assert world.kserve.serving() == [(f"{BASE}/1/", 100)]
     assert (world.state().phase, world.state().stable) == ("stable", "1")
     # Without --wait: the first call pins, a second (once ready) finishes, a third has nothing to do.
-    world = World("canary")
+    world = World("canary", release=release)
     world.do("canary", "2", 25)
     world.kserve.start_pods()
-    cluster = FakeCluster(world)
+    cluster = FakeCluster(world, release=release)
     assert run(cluster, monkeypatch, "rollback")[0] == 0 and len(cluster.patches) == 1
     assert world.state().phase == "rolling-back"
     assert run(cluster, monkeypatch, "rollback")[0] == 3  # the reverted revision is not ready
@@ -178,8 +203,9 @@ def test_serverless_rollback_with_wait_never_gives_the_canary_all_the_traffic(mo
     assert code == 0 and len(cluster.patches) == 2 and "nothing to roll back" in out
 
 
-def test_serverless_rollback_of_a_canary_at_100_percent_rolls_forward_to_stable():
-    world = World("canary")
+@per_release
+def test_serverless_rollback_of_a_canary_at_100_percent_rolls_forward_to_stable(release):
+    world = World("canary", release=release)
     world.do("canary", "2", 100)
     world.kserve.start_pods()
     # KServe counts a revision with 100% as rolled out; the stable version is the one before.
@@ -196,10 +222,11 @@ def test_serverless_rollback_of_a_canary_at_100_percent_rolls_forward_to_stable(
     assert (world.state().phase, world.state().stable) == ("stable", "1")
 
 
-def test_serverless_canary_turns_on_tag_routing():
+@per_release
+def test_serverless_canary_turns_on_tag_routing(release):
     isvc = overlay_isvc("canary")
     del isvc["metadata"]["annotations"][plans.TAG_ROUTING_ANNOTATION]
-    world = World(isvc=isvc)
+    world = World(isvc=isvc, release=release)
     plan = world.do("canary", "2", 10)
     assert plan.patch["metadata"]["annotations"][plans.TAG_ROUTING_ANNOTATION] == "true"
     world.kserve.start_pods()
@@ -208,8 +235,9 @@ def test_serverless_canary_turns_on_tag_routing():
 
 # -- one writer per field: an overlay applied again after a promote ---------------------------------
 
-def test_applying_the_overlay_server_side_after_a_promote_moves_no_traffic():
-    world = World("canary")
+@per_release
+def test_applying_the_overlay_server_side_after_a_promote_moves_no_traffic(release):
+    world = World("canary", release=release)
     world.do("canary", "2", 10)
     world.kserve.start_pods()
     world.do("promote")
@@ -231,8 +259,9 @@ def test_applying_the_overlay_server_side_after_a_promote_moves_no_traffic():
     assert world.state().stable == "2" and world.state().drift == ()
 
 
-def test_applying_the_overlay_client_side_after_a_promote_is_reported_as_drift(monkeypatch):
-    world = World("canary")
+@per_release
+def test_applying_the_overlay_client_side_after_a_promote_is_reported_as_drift(release, monkeypatch):
+    world = World("canary", release=release)
     world.do("canary", "2", 10)
     world.kserve.start_pods()
     world.do("promote")
@@ -246,16 +275,17 @@ def test_applying_the_overlay_client_side_after_a_promote_is_reported_as_drift(m
     assert len(state.drift) == 1 and "kubectl-client-side-apply" in state.drift[0] and "without a canary" in state.drift[0]
     with pytest.raises(r.RolloutError, match="kubectl-client-side-apply"):
         world.plan("canary", "3", 10)
-    code, out = run(FakeCluster(world), monkeypatch, "status")
+    code, out = run(FakeCluster(world, release=release), monkeypatch, "status")
     assert code == cli.DRIFT and "DRIFT: spec.predictor.model.storageUri was changed by kubectl-client-side-apply" in out
 
 
-def test_applying_the_overlay_client_side_during_a_canary_is_reported_as_drift(monkeypatch):
+@per_release
+def test_applying_the_overlay_client_side_during_a_canary_is_reported_as_drift(release, monkeypatch):
     """The overlay re-applied client-side while a canary of version 2 runs writes version 1's
     storageUri back (the overlay never sets canaryTrafficPercent, so the share stays): KServe
     now splits 10 % between two revisions of version 1. Reported as drift in this phase too, so
     that promote refuses instead of answering "nothing to promote"."""
-    world = World("canary")
+    world = World("canary", release=release)
     world.do("canary", "2", 10)
     world.kserve.start_pods()
     world.store.update({"spec": {"predictor": {"model": {"storageUri": f"{BASE}/1/"}}}}, "kubectl-client-side-apply")
@@ -267,11 +297,127 @@ def test_applying_the_overlay_client_side_during_a_canary_is_reported_as_drift(m
     for action in ("promote", "canary"):
         with pytest.raises(r.RolloutError, match="kubectl-client-side-apply"):
             world.plan(action, *(("3", 10) if action == "canary" else ()))
-    code, out = run(FakeCluster(world), monkeypatch, "status")
+    code, out = run(FakeCluster(world, release=release), monkeypatch, "status")
     assert code == cli.DRIFT and "DRIFT: spec.predictor.model.storageUri was changed by kubectl-client-side-apply" in out
     # A rollback is still allowed: it writes storageUri and the share again (ours once more).
     world.do("rollback", force=True)
     assert world.state().drift == ()
+
+
+# -- what each KServe release reports (tests/kserve_standin.py, per release) ---------------------------
+
+def _edit_storage_uri(world: World, version: str, manager: str = "kubectl-edit") -> None:
+    """`kubectl edit` (or a script's merge patch) of the stable storageUri; KServe reconciles."""
+    world.store.update({"spec": {"predictor": {"model": {"storageUri": f"{BASE}/{version}/"}}}}, manager)
+    world.kserve.reconcile()
+
+
+@per_release
+def test_raw_storage_uri_edited_before_the_first_promote_is_drift(release, monkeypatch):
+    """RawDeployment, nothing promoted yet (no predictor name): an edit of storageUri rolls the
+    Deployment to another version without a canary. KServe's raw status names no URI, so the
+    tool reads the Deployment's ReplicaSets: the old pod serves version 1 until the new one is
+    available, and that is reported as drift, as the same edit is in Serverless."""
+    world = World("raw", release=release)
+    assert (world.state().phase, world.state().drift) == ("stable", ())
+    _edit_storage_uri(world, "2")
+    assert world.kserve.serving() == [(f"{BASE}/1/", 100)]  # the old pod, until the new one is available
+    state = world.state()
+    assert (state.phase, state.stable, state.canary, state.ready) == ("updating", "1", "2", False)
+    assert len(state.drift) == 1 and "changed by kubectl-edit, not by cubeserve rollout: version 2 replaces " \
+        "version 1 on the pods of cube3d-predictor without a canary" in state.drift[0]
+    assert [(t.version, t.percent) for t in state.traffic] == [("1", 100)]
+    with pytest.raises(r.RolloutError, match="kubectl-edit"):
+        world.plan("canary", "3", 0)
+    code, out = run(FakeCluster(world, release=release), monkeypatch, "status")
+    assert code == cli.DRIFT and "DRIFT: spec.predictor.model.storageUri was changed by kubectl-edit" in out
+    assert "updating: version 2 takes all the traffic once ready (now: version 1)" in out
+    # The edit undone before the new pod came up: the Deployment takes its first ReplicaSet back
+    # (a new revision number, the same pod): nothing restarts, nothing to report.
+    starts = len(world.kserve.model_starts)
+    _edit_storage_uri(world, "1")
+    assert len(world.kserve.model_starts) == starts
+    revisions = {rs.uri: rs.revision for rs in world.revisions()}
+    assert revisions == {f"{BASE}/1/": 3, f"{BASE}/2/": 2}
+    assert (world.state().phase, world.state().stable, world.state().drift) == ("stable", "1", ())
+    # Edited again and left to finish: once the new pod serves, version 2 is what runs.
+    _edit_storage_uri(world, "2")
+    world.kserve.start_pods()
+    assert world.kserve.serving() == [(f"{BASE}/2/", 100)]
+    assert (world.state().phase, world.state().stable, world.state().drift) == ("stable", "2", ())
+
+
+@per_release
+def test_raw_readiness_and_a_stalled_roll_as_each_release_reports_them(release):
+    """PredictorReady during a rolling update and after the progress deadline, as each release's
+    PropagateRawStatus derives it from the Deployment's conditions: before v0.16.0 Available alone
+    (True: the old pod serves; a stalled roll is never reported); v0.16.0-v0.19.x Unknown while
+    Progressing says ReplicaSetUpdated; v0.20.0 True while Available is. From v0.16.0 a roll past
+    its deadline is PredictorReady False (ProgressDeadlineExceeded), which the tool reports."""
+    from cubeserve.rollout.state import condition_of
+
+    world = World("raw", release=release)
+    assert condition_of(world.isvc, "PredictorReady")["status"] == "True" and world.state().ready
+    _edit_storage_uri(world, "2")
+    during = "Unknown" if kserve_version("v0.16.0") <= kserve_version(release) < kserve_version("v0.20.0") else "True"
+    assert condition_of(world.isvc, "PredictorReady")["status"] == during
+    if kserve_version(release) < kserve_version("v0.15.0"):  # v0.14.x: the Deployment's revision number
+        assert world.isvc["status"]["components"]["predictor"]["latestCreatedRevision"] == "2"
+    world.kserve.fail_pods("cube3d-predictor")
+    state = world.state()
+    if kserve_version(release) >= kserve_version("v0.16.0"):
+        ready = condition_of(world.isvc, "PredictorReady")
+        assert (ready["status"], ready["reason"]) == ("False", "ProgressDeadlineExceeded")
+        assert state.failure.startswith("ProgressDeadlineExceeded: ReplicaSet \"cube3d-predictor-")
+    else:
+        assert condition_of(world.isvc, "PredictorReady")["status"] == "True" and state.failure is None
+    assert world.kserve.serving() == [(f"{BASE}/1/", 100)]  # the old pod still serves either way
+
+
+@per_release
+def test_a_failed_canary_revision_is_reported_not_waited_for(release, monkeypatch, capsys):
+    """Knative marks a revision whose pods never become ready failed (ConfigurationsReady False,
+    RevisionFailed); KServe copies it as PredictorConfigurationReady. `promote --wait` refuses at
+    once with KServe's message instead of waiting out its time, and the rollback still works."""
+    world = World("canary", release=release)
+    world.do("canary", "2", 10)
+    world.kserve.fail_pods("cube3d-predictor-00002")
+    state = world.state()
+    assert state.ready is False and state.failure.startswith(
+        'RevisionFailed: Revision "cube3d-predictor-00002" failed with message: ')
+    assert world.kserve.serving() == [(f"{BASE}/1/", 10), (f"{BASE}/1/", 90)]  # version 1 serves all of it
+    with pytest.raises(r.RolloutError, match="KServe reports a failure: RevisionFailed") as refused:
+        world.plan("promote")
+    assert not isinstance(refused.value, r.NotReady)
+    cluster = FakeCluster(world, release=release)
+    code, _ = run(cluster, monkeypatch, "promote", "--wait", "600")
+    assert code == cli.REFUSED and "KServe reports a failure" in capsys.readouterr().err and cluster.gets <= 2
+    code, out = run(cluster, monkeypatch, "status")
+    assert "FAILED: RevisionFailed: Revision \"cube3d-predictor-00002\" failed" in out
+    code, out = run(cluster, monkeypatch, "rollback")  # pinned to version 1; its new revision starts
+    assert code == 0 and cluster.patches[-1]["spec"]["predictor"]["canaryTrafficPercent"] == 0
+    world.kserve.start_pods()
+    assert run(cluster, monkeypatch, "rollback")[0] == 0
+    assert (world.state().phase, world.state().stable, world.state().failure) == ("stable", "1", None)
+
+
+@per_release
+def test_annotations_kserve_keeps_off_the_template_make_no_new_revision(release):
+    """ServiceAnnotationDisallowedList at each release: kubectl's last-applied-configuration
+    (written by every client-side apply) never reaches a revision, so it restarts nothing;
+    `modelFormat` does until v0.17.0; any other annotation makes a new revision."""
+    world = World("canary", release=release)
+    starts = len(world.kserve.model_starts)
+
+    def annotate(key: str) -> int:
+        world.store.update({"metadata": {"annotations": {key: f"changed {len(world.kserve.model_starts)}"}}},
+                           "kubectl-client-side-apply")
+        world.kserve.reconcile()
+        return len(world.kserve.model_starts)
+
+    assert annotate("kubectl.kubernetes.io/last-applied-configuration") == starts
+    assert annotate("modelFormat") == starts + (kserve_version(release) < kserve_version("v0.17.0"))
+    assert annotate("example.com/owner") == starts + 1 + (kserve_version(release) < kserve_version("v0.17.0"))
 
 
 # -- RawDeployment: spec.canary[] (KServe v0.20) ---------------------------------------------------------
@@ -420,9 +566,9 @@ def test_bad_canary_arguments_are_refused(overlay, version, percent, message):
     assert world.isvc == before
 
 
-@pytest.mark.parametrize("overlay", ["canary", "raw"])
-def test_a_rollout_while_another_is_unfinished_is_refused(overlay):
-    world = World(overlay)
+@pytest.mark.parametrize("overlay, release", SERVERLESS_AND_RAW_CANARIES)
+def test_a_rollout_while_another_is_unfinished_is_refused(overlay, release):
+    world = World(overlay, release=release)
     with pytest.raises(r.RolloutError, match="already the stable version"):
         world.plan("canary", "1", 10)
     world.do("canary", "2", 0)
@@ -435,8 +581,8 @@ def test_a_rollout_while_another_is_unfinished_is_refused(overlay):
             r.plan_promote(two, REGISTRY)
 
 
-@pytest.mark.parametrize("overlay", ["canary", "raw"])
-def test_a_roll_out_promotes_or_rolls_back_only_its_own_canary(overlay):
+@pytest.mark.parametrize("overlay, release", SERVERLESS_AND_RAW_CANARIES)
+def test_a_roll_out_promotes_or_rolls_back_only_its_own_canary(overlay, release):
     """Two pipeline runs: run A started the canary of version 2, run B replaced it with version 3
     (after A's was rolled back). A's promote and rollback name version 2 and are refused; without
     a version (the CLI) they act on whatever canary there is."""
@@ -459,13 +605,12 @@ def test_a_roll_out_promotes_or_rolls_back_only_its_own_canary(overlay):
         world.plan("promote", canary="3")  # promoted already: no canary of its own to act on
 
 
-@pytest.mark.parametrize("release", ["v0.14.0", "v0.15.0", "v0.15.1", "v0.16.0", "v0.17.0", "v0.19.0", "v0.20.0"])
+@pytest.mark.parametrize("release", MODELLED_KSERVE)
 def test_a_serverless_roll_out_passes_the_deployment_mode_webhook_except_where_excluded(release):
     """The overlays annotate the mode with the names every release knows (Serverless); KServe's
     validating webhook compares it with the status (kserve_standin.validate_update, per release).
     On v0.16.0 every update is refused, so v0.16.0 is out of the declared range
     (k8s_validation.EXCLUDED_KSERVE, README); on every other release a canary and its promote pass."""
-    from k8s_validation import EXCLUDED_KSERVE
 
     world = World("canary", release=release)
     if release in EXCLUDED_KSERVE:
@@ -481,7 +626,6 @@ def test_a_serverless_roll_out_passes_the_deployment_mode_webhook_except_where_e
 
 
 def test_the_readme_names_the_excluded_releases():
-    from k8s_validation import EXCLUDED_KSERVE
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     table = readme[readme.index("### Compatibility"):readme.index("### Draining")]
@@ -509,6 +653,17 @@ def test_an_arm_of_the_cross_pod_ab_test_gets_no_raw_canary_or_promote(arm):
     world.kserve.start_pods()
     with pytest.raises(r.RolloutError, match="would rename its predictor"):
         world.plan("promote")
+    backends = {b["name"] for rule in route["spec"]["rules"] for b in rule["backendRefs"]}
+    assert f"cube3d-{arm}-predictor" in backends & world.kserve.services  # still there for the route
+    # What the refusal prevents: the same promote made by hand. KServe deletes the Service the
+    # A/B route sends the arm's traffic to, and its own route of the old name is left behind,
+    # pointing at nothing.
+    world.store.update({"spec": {"predictor": {"name": "v3", "model": {"storageUri": f"{BASE}/3/"}}, "canary": None}},
+                       "kubectl-edit")
+    world.kserve.reconcile()
+    assert f"cube3d-{arm}-predictor" not in world.kserve.services
+    assert world.kserve.httproutes[f"cube3d-{arm}-predictor"] == f"cube3d-{arm}-predictor"
+    assert world.kserve.httproutes[f"cube3d-{arm}"] == f"cube3d-{arm}-v3-predictor"
 
 
 def test_the_versions_configmap_has_one_writer_per_field():
@@ -709,8 +864,11 @@ class FakeCluster:
     def revisions(self, isvc):
         return {k: v for k, v in self.world.kserve.revision_uris().items()}
 
+    def replica_sets(self, isvc):
+        return r.replica_sets_of(self.world.kserve.replica_set_objects())
+
     def facts(self, isvc, kserve_namespace="kserve"):
-        schema = require_crds(self.release)[("serving.kserve.io/v1beta1", "InferenceService")]
+        schema = require_crds(crd_release(self.release))[("serving.kserve.io/v1beta1", "InferenceService")]
         return ClusterFacts(schema, "cube-serve-triton", True, self.gateway_api)
 
 
@@ -938,6 +1096,7 @@ def test_cubeserve_cli_has_rollout(monkeypatch):
 
 ISVC_PATH = "/apis/serving.kserve.io/v1beta1/namespaces/models/inferenceservices/cube3d"
 VERSIONS_PATH = "/api/v1/namespaces/models/configmaps/cube3d-versions"
+REPLICASETS_PATH = "/apis/apps/v1/namespaces/models/replicasets"
 
 
 class StubApiServer:
@@ -988,6 +1147,12 @@ class StubApiServer:
                 if "/revisions/" in url.path:
                     revision = stub.world.kserve.revision_object(url.path.rsplit("/", 1)[-1])
                     return self._send(200, revision) if revision else self._error(404, "NotFound")
+                if url.path == REPLICASETS_PATH:  # a list by label selector (key=value)
+                    key, _, value = parse_qs(url.query).get("labelSelector", ["="])[0].partition("=")
+                    items = [rs for rs in stub.world.kserve.replica_set_objects()
+                             if rs["metadata"]["labels"].get(key) == value]
+                    return self._send(200, {"apiVersion": "apps/v1", "kind": "ReplicaSetList", "metadata": {},
+                                            "items": items})
                 obj = stub.objects.get(url.path)
                 return self._send(200, obj) if obj else self._error(404, "NotFound")
 
@@ -1100,6 +1265,52 @@ def test_cluster_client_over_http(tmp_path, monkeypatch):
         assert any("/revisions/cube3d-predictor-00002" in q[1] for q in stub.requests)
         code, out = cli_over_http(stub, tmp_path, monkeypatch, "promote")
         assert code == 0 and world.kserve.serving() == [(f"{BASE}/2/", 100)]
+    finally:
+        stub.close()
+
+
+# Reads the roll-out's preflight makes and can do without (README, "Permissions": it says so and
+# relies on strict field validation): the cluster-scoped CRD, KServe's own ConfigMap.
+OPTIONAL_PREFLIGHT_READS = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", "get", "inferenceservices.serving.kserve.io"),
+    ("", "configmaps", "get", "inferenceservice-config")}
+
+
+def rollout_role_rules() -> list[dict]:
+    """The rules of the Role `cubeserve rollout` runs under in the pipeline (k8s/pipeline)."""
+    from k8s_validation import _rendered
+
+    objects = [o for o in yaml.safe_load_all(_rendered(str(Path(__file__).resolve().parents[1] / "k8s" / "pipeline"))) if o]
+    return next(o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "cube-serve-rollout")["rules"]
+
+
+def test_a_raw_roll_out_over_http_reads_the_replica_sets_under_the_role(tmp_path, monkeypatch):
+    """RawDeployment with the real `kubernetes` client and the pipeline's Role (RBAC as the API
+    server applies it): status lists the predictor's ReplicaSets by KServe's label and reports an
+    in-place edit as drift; once the Deployment has rolled, a canary and its promote go through."""
+    from k8s_validation import rbac_allows
+
+    world = World("raw")
+    stub = StubApiServer(world, rules=rollout_role_rules())
+    try:
+        _edit_storage_uri(world, "2")
+        code, out = cli_over_http(stub, tmp_path, monkeypatch, "status")
+        assert code == cli.DRIFT and "DRIFT: spec.predictor.model.storageUri was changed by kubectl-edit" in out, out
+        lists = [q for q in stub.requests if q[1] == REPLICASETS_PATH]
+        assert lists and lists[-1][4]["labelSelector"] == ["serving.kserve.io/inferenceservice=cube3d"]
+        world.kserve.start_pods()
+        stub.objects[VERSIONS_PATH]["data"]["versions"] = "1 2 3"
+        for argv in (("canary", "--version", "3", "--percent", "0"), ("promote", "--wait", "60")):
+            code, out = cli_over_http(stub, tmp_path, monkeypatch, *argv)
+            assert code == 0, out
+            world.kserve.start_pods()
+        assert world.isvc["spec"]["predictor"]["name"] == "v3" and world.kserve.serving() == [(f"{BASE}/3/", 100)]
+        # `status` also shows the in-server experiment where it may read it (the pipeline never asks).
+        refused = {attrs[:4] for attrs, allowed in stub.authorized if not allowed}
+        assert refused <= OPTIONAL_PREFLIGHT_READS | {("", "configmaps", "get", "cube3d-experiment")}, refused
+        used = [attrs for attrs, allowed in stub.authorized if allowed]
+        assert any(rbac_allows([rule], *attrs[:4]) for attrs in used for rule in stub.rules
+                   if rule["resources"] == ["replicasets"])
     finally:
         stub.close()
 

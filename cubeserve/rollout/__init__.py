@@ -1,7 +1,8 @@
 """`cubeserve rollout`: canary, promote, roll back and A/B-split cube-serve on KServe.
 
 Every command is two steps. First a pure plan: the InferenceService as the API server returns
-it, the checkpoint versions, and the Knative revisions its status names go in; a `Plan` comes
+it, the checkpoint versions, and what its pods serve (the Knative revisions its status names, or
+its predictor Deployments' ReplicaSets) go in; a `Plan` comes
 out, holding one JSON merge patch (RFC 7386) and the fields it changes, or a `RolloutError`
 saying why not. Then a thin client checks the cluster (preflight) and sends that patch with the
 object's resourceVersion as a precondition and its own field manager.
@@ -25,11 +26,11 @@ from cubeserve.rollout.errors import NotReady, RolloutError
 from cubeserve.rollout.patch import describe_changes, merge_patch
 from cubeserve.rollout.plans import Plan, parse_weights, plan_route_weights, plan_canary, plan_promote, plan_rollback
 from cubeserve.rollout.state import (CANARY, FIELD_MANAGER, RAW, ROLLING_BACK, SERVERLESS, STABLE, UPDATING,
-                                     RolloutState, deployment_mode, rollout_state)
+                                     ReplicaSet, RolloutState, deployment_mode, replica_sets_of, rollout_state)
 from cubeserve.rollout.versions import VERSIONS_CONFIGMAP, VersionRegistry, predictor_name
 
 __all__ = ["add_rollout_parser", "main", "run_rollout", "HTTPROUTE_API", "ISVC_API", "Cluster", "Rollout",
            "NotReady", "RolloutError", "describe_changes", "merge_patch", "Plan", "parse_weights", "plan_route_weights",
            "plan_canary", "plan_promote", "plan_rollback", "CANARY", "FIELD_MANAGER", "RAW", "ROLLING_BACK",
-           "SERVERLESS", "STABLE", "UPDATING", "RolloutState", "deployment_mode", "rollout_state",
+           "SERVERLESS", "STABLE", "UPDATING", "ReplicaSet", "RolloutState", "replica_sets_of", "deployment_mode", "rollout_state",
            "VERSIONS_CONFIGMAP", "VersionRegistry", "predictor_name"]

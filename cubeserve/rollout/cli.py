@@ -46,6 +46,8 @@ def _status(rollout: Rollout, args, out) -> int:
     if state.phase != STABLE:
         ready = {True: "yes", False: "no", None: "not yet made by KServe"}[state.ready]
         print(f"  ready: {ready}", file=out)
+    if state.failure:
+        print(f"  FAILED: {state.failure}", file=out)
     for route in state.traffic:
         served = f"version {route.version}" if route.version else (route.uri or "unknown version")
         parts = [f"traffic {route.percent:>3}%", route.target, served, route.tag, route.note]

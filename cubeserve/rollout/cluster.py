@@ -15,8 +15,8 @@ from typing import Callable, Mapping
 from cubeserve.rollout.errors import NotReady, RolloutError
 from cubeserve.rollout.plans import Plan, plan_canary, plan_promote, plan_rollback
 from cubeserve.rollout.preflight import ClusterFacts, check
-from cubeserve.rollout.state import (FIELD_MANAGER, REVISION_URI_ANNOTATION, SERVERLESS, RolloutState,
-                                     deployment_mode, get, rollout_state)
+from cubeserve.rollout.state import (FIELD_MANAGER, ISVC_LABEL, REVISION_URI_ANNOTATION, SERVERLESS, ReplicaSet,
+                                     Revisions, RolloutState, deployment_mode, get, replica_sets_of, rollout_state)
 from cubeserve.rollout.versions import VERSIONS_CONFIGMAP, VersionRegistry
 
 GROUP = "serving.kserve.io"
@@ -34,8 +34,8 @@ def _status(exc: Exception) -> int | None:
 
 
 class Cluster:
-    """get/patch on serving.kserve.io objects, Knative revisions, the registry ConfigMap and the
-    facts the preflight reads."""
+    """get/patch on serving.kserve.io objects, Knative revisions, the predictors' ReplicaSets,
+    the registry ConfigMap and the facts the preflight reads."""
 
     def __init__(self, namespace: str | None = None, context: str | None = None):
         from kubernetes import client, config
@@ -57,6 +57,7 @@ class Cluster:
         self.namespace = namespace or default_namespace
         self.custom = client.CustomObjectsApi()
         self.core = client.CoreV1Api()
+        self.apps = client.AppsV1Api()
         self.extensions = client.ApiextensionsV1Api()
 
     def get(self, api: tuple[str, ...], name: str) -> dict:
@@ -92,8 +93,8 @@ class Cluster:
             {"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
             body=body, response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True)
 
-    def _raw_json_or_raise(self, call: Callable, *args) -> dict:
-        return json.loads(call(*args, _preload_content=False).data)
+    def _raw_json_or_raise(self, call: Callable, *args, **kwargs) -> dict:
+        return json.loads(call(*args, _preload_content=False, **kwargs).data)
 
     def registry(self, name: str = VERSIONS_CONFIGMAP) -> VersionRegistry:
         return VersionRegistry.from_configmap(self.core.read_namespaced_config_map(name, self.namespace).to_dict())
@@ -118,6 +119,13 @@ class Cluster:
             if uri:
                 found[name] = uri
         return found
+
+    def replica_sets(self, isvc: Mapping) -> tuple[ReplicaSet, ...]:
+        """The ReplicaSets of the InferenceService's predictor Deployments (RawDeployment), by
+        KServe's label on their pods (needs list on apps replicasets)."""
+        listed = self._raw_json_or_raise(self.apps.list_namespaced_replica_set, self.namespace,
+                                         label_selector=f"{ISVC_LABEL}={get(isvc, 'metadata', 'name')}")
+        return replica_sets_of(listed.get("items") or ())
 
     def _raw_json(self, call: Callable, *args) -> dict | None:
         try:
@@ -171,11 +179,13 @@ class Rollout:
         self.cluster, self.isvc, self.versions_configmap = cluster, isvc, versions_configmap
         self.mode, self.kserve_namespace, self.preflight = mode, kserve_namespace, preflight
 
-    def read(self) -> tuple[dict, VersionRegistry, dict[str, str]]:
+    def read(self) -> tuple[dict, VersionRegistry, Revisions]:
+        """The InferenceService, the registry and what its pods serve (state.rollout_state)."""
         registry = self.cluster.registry(self.versions_configmap)
         isvc = self.cluster.get(ISVC_API, self.isvc)
-        revisions = self.cluster.revisions(isvc) if deployment_mode(isvc, self.mode) == SERVERLESS else {}
-        return isvc, registry, revisions
+        if deployment_mode(isvc, self.mode) == SERVERLESS:
+            return isvc, registry, self.cluster.revisions(isvc)
+        return isvc, registry, self.cluster.replica_sets(isvc)
 
     def state(self) -> RolloutState:
         isvc, registry, revisions = self.read()

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from cubeserve.rollout.errors import NotReady, RolloutError
 from cubeserve.rollout.patch import describe_changes
-from cubeserve.rollout.state import (CANARY, RAW, ROLLING_BACK, SERVERLESS, STABLE, UPDATING, RolloutState,
+from cubeserve.rollout.state import (CANARY, RAW, ROLLING_BACK, SERVERLESS, STABLE, UPDATING, Revisions, RolloutState,
                                      get, object_name, rollout_state)
 from cubeserve.rollout.versions import VersionRegistry, predictor_name
 
@@ -149,7 +149,7 @@ def _refuse_ab_arm(isvc: Mapping, state: RolloutState, action: str) -> None:
 
 
 def plan_canary(isvc: Mapping, registry: VersionRegistry, version: str, percent: int,
-                revisions: Mapping[str, str] | None = None, mode: str | None = None) -> Plan:
+                revisions: Revisions | None = None, mode: str | None = None) -> Plan:
     """Start a canary of `version` with `percent` of the traffic, or change the share of the
     canary of that same version. Refuses while another rollout is unfinished, and on an arm of
     the cross-pod A/B test in RawDeployment mode (its promote would take the arm's Service away)."""
@@ -194,7 +194,7 @@ def _require_canary(state: RolloutState, canary: str | None, action: str) -> Non
                            "(another roll-out changed the InferenceService)")
 
 
-def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str] | None = None,
+def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Revisions | None = None,
                  mode: str | None = None, force: bool = False, canary: str | None = None) -> Plan:
     """Give the canary all the traffic and make it the stable version (only if it is version
     `canary`, when given)."""
@@ -212,7 +212,7 @@ def plan_promote(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[st
                  STRATEGIES[state.mode].promote(isvc, state))
 
 
-def plan_rollback(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str] | None = None,
+def plan_rollback(isvc: Mapping, registry: VersionRegistry, revisions: Revisions | None = None,
                   mode: str | None = None, force: bool = False, canary: str | None = None) -> Plan:
     """Send all the traffic back to the stable version and drop the canary (only if it is
     version `canary`, when given)."""
@@ -233,6 +233,9 @@ def plan_rollback(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[s
 def _require_ready(state: RolloutState, force: bool, action: str) -> None:
     if force or state.ready:
         return
+    if state.failure:  # no use waiting: KServe says it will not become ready
+        raise RolloutError(f"{state.name}: cannot {action}: KServe reports a failure: {state.failure}; "
+                           "roll back with `cubeserve rollout rollback`")
     what = "the canary deployment" if state.mode == RAW else "the revision for the current spec"
     why = "is not ready yet" if state.ready is False else "has not been made by KServe yet"
     raise NotReady(f"{state.name}: cannot {action}: {what} {why}; try again, pass --wait SECONDS, "

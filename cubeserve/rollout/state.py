@@ -14,13 +14,21 @@ the InferenceService, so the two are different counters.
   for the spec: the revision made for the current spec exists once latestCreatedRevision serves
   the spec's storageUri.
 * RawDeployment (KServe v0.20+ canaries): `status.canaryStatuses` (one per spec.canary entry, by
-  name, with the canary Deployment's readiness) and the PredictorReady condition.
+  name, with the canary Deployment's readiness) and the PredictorReady condition. KServe's raw
+  status names no storage URI, so what the stable predictor's pods serve is read from its
+  Deployment's ReplicaSets (the Deployment's revisions: each keeps the pod template, with KServe's
+  storage URI annotation, and counts its available pods): a storageUri edited in place rolls the
+  Deployment, and until the new pod is available the old ReplicaSet's pods serve.
+* A failure is KServe's condition as it reports it: a Knative revision that failed
+  (PredictorConfigurationReady False, reason RevisionFailed) or a Deployment past its progress
+  deadline (PredictorReady False; reported from KServe v0.16.0), so `--wait` stops at once
+  instead of waiting for readiness that will not come.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from cubeserve.rollout.errors import RolloutError
 from cubeserve.rollout.versions import VersionRegistry, predictor_name
@@ -86,11 +94,24 @@ def writers(obj: Mapping, path: tuple[str, ...]) -> list[str]:
     return found
 
 
-def condition(obj: Mapping, kind: str) -> bool | None:
+def condition_of(obj: Mapping, kind: str) -> Mapping:
+    """The status condition of type `kind` ({} if there is none)."""
     for c in get(obj, "status", "conditions", default=()) or ():
         if c.get("type") == kind:
-            return {"True": True, "False": False}.get(c.get("status"))
-    return None
+            return c
+    return {}
+
+
+def condition(obj: Mapping, kind: str) -> bool | None:
+    return {"True": True, "False": False}.get(condition_of(obj, kind).get("status"))
+
+
+def _failure(isvc: Mapping, kind: str, reasons: tuple[str, ...] | None = None) -> str | None:
+    """`kind` False (with one of `reasons`, when given) as "reason: message"; else None."""
+    c = condition_of(isvc, kind)
+    if c.get("status") != "False" or (reasons is not None and c.get("reason") not in reasons):
+        return None
+    return ": ".join(p for p in (c.get("reason"), c.get("message")) if p) or f"{kind} is False"
 
 
 def _same_uri(a: str | None, b: str | None) -> bool:
@@ -109,6 +130,48 @@ class Route:
     note: str | None = None  # what the share means where it is not a traffic split
 
 
+# Kubernetes' Deployment controller: each ReplicaSet's place in the Deployment's history.
+DEPLOYMENT_REVISION = "deployment.kubernetes.io/revision"
+# KServe's label on a predictor's pods (and so on its ReplicaSets): the InferenceService's name.
+ISVC_LABEL = "serving.kserve.io/inferenceservice"
+
+
+@dataclass(frozen=True)
+class ReplicaSet:
+    """One revision of a RawDeployment predictor's Deployment: the storage URI its pod template
+    downloads and how many of its pods are available (0 for the history kept after a roll)."""
+
+    name: str
+    deployment: str
+    revision: int
+    uri: str | None
+    available: int
+
+
+def replica_sets_of(objects: Sequence[Mapping]) -> tuple[ReplicaSet, ...]:
+    """ReplicaSets as the API server lists them (apps/v1), those a Deployment owns."""
+    found = []
+    for rs in objects:
+        owner = next((o.get("name") for o in get(rs, "metadata", "ownerReferences", default=()) or ()
+                      if o.get("kind") == "Deployment" and o.get("controller")), None)
+        if owner is None:
+            continue
+        try:
+            revision = int(get(rs, "metadata", "annotations", DEPLOYMENT_REVISION, default="0"))
+        except ValueError:
+            revision = 0
+        found.append(ReplicaSet(get(rs, "metadata", "name", default="?"), owner, revision,
+                                get(rs, "spec", "template", "metadata", "annotations", REVISION_URI_ANNOTATION),
+                                int(get(rs, "status", "availableReplicas", default=0) or 0)))
+    return tuple(sorted(found, key=lambda r: (r.deployment, r.revision)))
+
+
+def stable_deployment(isvc: Mapping) -> str:
+    """The stable predictor's Deployment (and Service): KServe's PredictorServiceName."""
+    name, predictor = get(isvc, "metadata", "name", default="?"), get(isvc, "spec", "predictor", "name")
+    return f"{name}-{predictor}-predictor" if predictor else f"{name}-predictor"
+
+
 @dataclass(frozen=True)
 class RolloutState:
     """What an InferenceService is doing, as far as rollouts go."""
@@ -125,6 +188,7 @@ class RolloutState:
     canary_uri: str | None = None  # what a promote makes stable
     traffic: tuple[Route, ...] = ()  # as KServe reports it
     drift: tuple[str, ...] = field(default=())  # changes not made by `cubeserve rollout`
+    failure: str | None = None  # why what the spec describes cannot become ready (KServe's condition)
 
     def summary(self) -> str:
         stable = f"version {self.stable}" if self.stable else "no rolled-out version"
@@ -141,14 +205,18 @@ class RolloutState:
         return f"canary of version {self.canary} at {self.percent}% (stable: {stable})"
 
 
-def rollout_state(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str] | None = None,
+Revisions = Mapping[str, str] | Sequence[ReplicaSet]
+
+
+def rollout_state(isvc: Mapping, registry: VersionRegistry, revisions: Revisions | None = None,
                   mode: str | None = None) -> RolloutState:
-    """The rollout state of `isvc`. `revisions` (Serverless): Knative revision name -> the storage
-    URI it serves, for the revisions its status names (Cluster.revisions)."""
+    """The rollout state of `isvc`. `revisions`, what the pods serve, read from the cluster
+    (Cluster.revisions): Serverless, Knative revision name -> the storage URI it serves, for the
+    revisions its status names; RawDeployment, the ReplicaSets of its predictor Deployments."""
     mode = deployment_mode(isvc, mode)
     if mode == SERVERLESS:
-        return _serverless_state(isvc, registry, revisions or {})
-    return _raw_state(isvc, registry)
+        return _serverless_state(isvc, registry, revisions if isinstance(revisions, Mapping) else {})
+    return _raw_state(isvc, registry, () if revisions is None or isinstance(revisions, Mapping) else revisions)
 
 
 def _serverless_state(isvc: Mapping, registry: VersionRegistry, revisions: Mapping[str, str]) -> RolloutState:
@@ -177,7 +245,12 @@ def _serverless_state(isvc: Mapping, registry: VersionRegistry, revisions: Mappi
     if percent is not None and fresh and rolled == created:
         stable_revision = component.get("previousRolledoutRevision")
     stable, stable_uri = version_of(stable_revision)
-    common = dict(ready=ready, storage_uri=uri, traffic=traffic)
+    # Knative's verdict on the latest created revision, once it is the spec's (KServe copies
+    # ConfigurationsReady as PredictorConfigurationReady).
+    failure = _failure(isvc, "PredictorConfigurationReady", ("RevisionFailed",)) if fresh else None
+    if failure:
+        ready = False
+    common = dict(ready=ready, storage_uri=uri, traffic=traffic, failure=failure)
 
     if percent is None:
         if fresh and rolled == created:
@@ -215,26 +288,48 @@ def _serverless_state(isvc: Mapping, registry: VersionRegistry, revisions: Mappi
     return RolloutState(name, SERVERLESS, STABLE, stable, stable_uri=stable_uri, **common)
 
 
-def _raw_state(isvc: Mapping, registry: VersionRegistry) -> RolloutState:
+def _raw_state(isvc: Mapping, registry: VersionRegistry, replica_sets: Sequence[ReplicaSet]) -> RolloutState:
     name = object_name(isvc)
     uri = get(isvc, *STORAGE_URI)
     version = registry.version_of(uri)
     stable_predictor = get(isvc, "spec", "predictor", "name") or ""
     canaries = get(isvc, "spec", "canary") or []
     statuses = {s.get("name"): s for s in get(isvc, "status", "canaryStatuses", default=()) or ()}
-    drift = ()
+    who = ", ".join(writers(isvc, STORAGE_URI)) or "another client"
+    drift: tuple[str, ...] = ()
     if stable_predictor and version and stable_predictor != predictor_name(version):
         # `promote` names the stable predictor after its version; a storageUri written over it
         # (an overlay applied again) rolls that Deployment to another version.
-        who = ", ".join(writers(isvc, STORAGE_URI)) or "another client"
-        drift = (f"the stable predictor {stable_predictor} has the storageUri of version {version}, "
-                 f"written by {who}, not by cubeserve rollout",)
-    common = dict(storage_uri=uri, stable_uri=uri, drift=drift)
+        drift += (f"the stable predictor {stable_predictor} has the storageUri of version {version}, "
+                  f"written by {who}, not by cubeserve rollout",)
+    # Pods of the stable Deployment that serve another storage URI than the spec's: a rolling
+    # update in progress (the tool never rolls the stable Deployment in place).
+    deployment = stable_deployment(isvc)
+    pods = [rs for rs in replica_sets if rs.deployment == deployment and rs.available > 0]
+    old = [rs for rs in pods if rs.uri != uri and not _same_uri(rs.uri, uri)]
+    previous = max(old, key=lambda rs: rs.revision) if old else None
+    previous_version = registry.version_of(previous.uri) if previous else None
+    if previous and FIELD_MANAGER not in writers(isvc, STORAGE_URI) and not drift:
+        drift += (f"spec.predictor.model.storageUri was changed by {who}, not by cubeserve rollout: "
+                  f"{'version ' + version if version else uri} replaces "
+                  f"{'version ' + previous_version if previous_version else previous.uri} on the pods of "
+                  f"{deployment} without a canary (a rolling update; its old pods serve until the new "
+                  "ones are available)",)
+    # From KServe v0.16.0, a Deployment past its progress deadline is reported (PropagateRawStatus).
+    failure = _failure(isvc, "PredictorReady", ("ProgressDeadlineExceeded", "FailedCreate"))
+    common = dict(storage_uri=uri, drift=drift)
     if not canaries:
         if statuses:  # KServe has not caught up with the removal of the canary yet
-            return RolloutState(name, RAW, UPDATING, version, **common)
-        return RolloutState(name, RAW, STABLE, version, ready=condition(isvc, "PredictorReady"),
-                            traffic=(Route(stable_predictor or "predictor", 100, version, uri),), **common)
+            return RolloutState(name, RAW, UPDATING, version, stable_uri=uri, **common)
+        if previous:
+            total = sum(rs.available for rs in pods)
+            traffic = tuple(Route(rs.name, round(100 * rs.available / total), registry.version_of(rs.uri), rs.uri)
+                            for rs in sorted(pods, key=lambda rs: rs.revision, reverse=True))
+            return RolloutState(name, RAW, UPDATING, previous_version, version or uri, ready=False,
+                                stable_uri=previous.uri, canary_uri=uri, traffic=traffic, failure=failure, **common)
+        return RolloutState(name, RAW, STABLE, version, ready=condition(isvc, "PredictorReady"), stable_uri=uri,
+                            traffic=(Route(stable_predictor or "predictor", 100, version, uri),), failure=failure,
+                            **common)
     if len(canaries) > 1:
         names = ", ".join(str(get(c, "predictor", "name")) for c in canaries)
         raise RolloutError(f"{name} has {len(canaries)} canaries ({names}); `cubeserve rollout` "
@@ -253,4 +348,5 @@ def _raw_state(isvc: Mapping, registry: VersionRegistry) -> RolloutState:
                    Route(get(entry, "predictor", "name"), 0, registry.version_of(canary_uri), canary_uri,
                          note=f"dark launch, no traffic (trafficPercent {share} sizes its replicas only)"))
     return RolloutState(name, RAW, CANARY, version, registry.version_of(canary_uri) or canary_uri,
-                        entry.get("trafficPercent", 0), ready, canary_uri=canary_uri, traffic=traffic, **common)
+                        entry.get("trafficPercent", 0), ready, stable_uri=uri, canary_uri=canary_uri,
+                        traffic=traffic, **common)
