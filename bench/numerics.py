@@ -6,6 +6,8 @@ cache) do on the same weights and prompts: the bar a mode must meet.
     python -m bench.numerics --config mid --seed 0 --prompts 8 [--reference CUBE]
 
 A mode is `<dtype>` or `<dtype>+<quantization>`: float32, bfloat16, bfloat16+int8, float32+int4...
+fp8 off a GPU of compute capability 8.9 is the emulation of the GPU kernel's numerics
+(`fast_paths.Fp8Linear`): the same figures the GPU computes, measured on the CPU.
 CUBE is a checkout of github.com/Roblox/cube (research code under its own licence, never
 copied into this project), imported from where it lies, as tests/data/reference/regenerate.py
 does; run it where the reference's few extra packages import (omegaconf, accelerate).
@@ -32,7 +34,7 @@ from cubeserve.config import read_yaml, to_yaml_dict
 from cubeserve.engine.engine import DTYPES, Engine
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODES = ("float32", "bfloat16", "float32+int8", "bfloat16+int8", "bfloat16+int4")
+DEFAULT_MODES = ("float32", "bfloat16", "float32+int8", "bfloat16+int8", "bfloat16+int4", "bfloat16+fp8")
 
 
 def parse_mode(mode: str) -> tuple[str, str]:

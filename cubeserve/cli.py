@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: bfloat16 on CUDA and on CPUs with native bf16 "
                         "(AMX, AVX-512 BF16), float32 elsewhere)")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="the GPT's weights as int8 (per channel) or int4 (grouped), weight-only")
+                   help="the GPT's weights as int8 (per channel) or int4 (grouped), weight-only, or fp8 "
+                        "(per row, weights and activations; native on CUDA >= 8.9)")
     g.add_argument("--save-tokens", help="write the shape token ids as a JSON list")
     g.add_argument("--preview", help="write a PNG preview of the mesh")
     g.set_defaults(func=cmd_generate)
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", dest="compute_dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere")
     b.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="the GPT's weights as int8 or int4, weight-only (as generate)")
+                   help="the GPT's weights as int8, int4 or fp8 (as generate)")
     b.add_argument("--decode-actors", type=int, default=1, help="engines (one GPU each on CUDA)")
     b.add_argument("--decode-cpus", type=int, default=1, help="CPU threads per decode actor (CPU decoding)")
     b.add_argument("--geometry-actors", type=int, default=1, help="most CPU actors for marching cubes")

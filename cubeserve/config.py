@@ -13,9 +13,10 @@ from pathlib import Path
 
 import yaml
 
-# Weight-only quantization of the GPT's products (engine/fast_paths.py): torch-free here so the
-# CLI and the serving config can name the choices without importing the engine.
-QUANTIZATIONS = ("none", "int8", "int4")
+# Quantization of the GPT's products (engine/fast_paths.py): weight-only int8/int4, and fp8
+# (e4m3 weights and activations, per-row scales): torch-free here so the CLI and the serving
+# config can name the choices without importing the engine.
+QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,7 @@ def build(image: str):
             max_time_per_output_token_s: Gate: the most seconds per generated token.
             heldout_shapes: Score generations against this many held-out procedural shapes (the demo benchmark; 0 = off).
             min_shape_iou: Gate: the least mean IoU on those shapes (needs heldout_shapes > 0).
-            quantization: none, int8 or int4: serve the GPT's weights quantized (weight-only, at load); the checkpoint quantized is a version of its own.
+            quantization: none, int8, int4 or fp8: serve the GPT's weights quantized (at load); the checkpoint quantized is a version of its own.
             min_numerics_agreement: Gate (quantization only): the least teacher-forced top-1 agreement of the quantized weights with the unquantized checkpoint on the prompts.
             target: kserve (the InferenceService isvc in namespace) or local (a tritonserver at triton_url).
             triton_url: host:port of the tritonserver's REST port (target local only).

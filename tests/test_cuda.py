@@ -1,5 +1,5 @@
 """CUDA-only behaviour: captured decode graphs produce the eager path's tokens (with float weights
-and with weight-only int8/int4), a runner steps on its own device from any thread, bfloat16
+and with weight-only int8/int4 and fp8), a runner steps on its own device from any thread, bfloat16
 serving, Warp's marching cubes on the device, and the engine model as a Triton KIND_GPU instance.
 Skipped, with the reason, where no CUDA device is present; bench/gpu_check.sh runs them on the
 GPU machine.
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from cubeserve.config import TINY
-from cubeserve.engine import Engine
+from cubeserve.engine import Engine, fast_paths
 from cubeserve.engine import GenerationRequest as Req
 from cubeserve.engine.scheduler import Scheduler
 
@@ -140,6 +140,35 @@ def test_quantized_weights_capture_into_the_decode_graphs(tiny_weights, quantiza
     for _ in range(engine.cfg.num_tokens):
         pool.step()
     assert torch.equal(pool.tokens[: len(REQUESTS)], eager)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="fp8's kernel (torch._scaled_mm) needs compute capability 8.9 (Ada, Hopper)")
+def test_fp8_captures_into_the_decode_graphs(tiny_weights, monkeypatch):
+    """fp8 on a GPU with fp8 tensor cores: every quantized product is `torch._scaled_mm` (rowwise
+    scales, the activations quantized on the device), it runs inside the captured decode graphs
+    and replays what the eager fp8 step computes; and one layer's kernel product is the CPU's
+    emulation of it, up to bf16 rounding of a different summation order."""
+    from cubeserve.engine.fast_paths import Fp8Linear
+
+    engine = Engine.from_dir(tiny_weights, device="cuda", dtype="bfloat16", quantization="fp8")
+    layers = [m for m in engine.gpt.modules() if isinstance(m, Fp8Linear)]
+    assert layers and all(m.native for m in layers)
+    eager = engine.generate_tokens(REQUESTS)
+    pool = engine.decode_runner(max_objects=8, graph_buckets=(1, 2, 4, 8))
+    assert pool.graphs
+    pool.admit(REQUESTS)
+    for _ in range(engine.cfg.num_tokens):
+        pool.step()
+    assert torch.equal(pool.tokens[: len(REQUESTS)], eager)
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(50, 72, device="cuda"), torch.randn(5, 72, device="cuda")  # padded to 64 x 80
+    native = Fp8Linear(weight, None)
+    monkeypatch.setattr(fast_paths, "fp8_native", lambda device: False)
+    emulated = Fp8Linear(weight, None)
+    assert native.native and not emulated.native
+    torch.testing.assert_close(native(x), emulated(x), rtol=1e-2, atol=1e-2)
 
 
 def serve_one(weights, tmp_path, instance_kind: str, request: Req) -> tuple[dict, str]:

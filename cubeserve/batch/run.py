@@ -38,7 +38,7 @@ class Settings:
     out: str  # where meshes and results/ go: a local path or s3://
     device: str = "auto"  # the decode actors' device: cpu, cuda or auto
     dtype: str | None = None  # default: the engine's (bfloat16 on CUDA and CPUs with native bf16)
-    quantization: str = "none"  # the GPT's weights: none | int8 | int4 (weight-only)
+    quantization: str = "none"  # the GPT's weights: none | int8 | int4 | fp8 (config.QUANTIZATIONS)
     decode_actors: int = 1  # one Engine each (one GPU each on CUDA)
     decode_cpus: int = 1  # CPU slots (and PyTorch threads) per decode actor
     geometry_actors: int = 1  # CPU actors with the shape tokenizer

@@ -111,8 +111,9 @@ class Engine:
                  single_block_mode: str = "reference", cpu_threads: int | None = None,
                  engines_sharing_cpu: int = 1, quantization: str = "none"):
         """`quantization`: "none", or the GPT's weights as "int8" (per output channel) or "int4"
-        (in groups), weight-only (`fast_paths.quantize`); the condition projections and the
-        shape tokenizer keep `dtype`.
+        (in groups), weight-only, or "fp8" (e4m3 weights and activations, per-row scales; an
+        emulation off CUDA capability 8.9) (`fast_paths.quantize`); the condition projections and
+        the shape tokenizer keep `dtype`.
         `cpu_threads`: PyTorch's intra-op threads (process-wide); None: $OMP_NUM_THREADS if
         set, else the CPUs the cgroup's quota and the affinity mask allow, divided among the
         `engines_sharing_cpu` engine processes that share them (`threads.decide_cpu_threads`)."""

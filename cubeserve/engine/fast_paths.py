@@ -15,6 +15,9 @@ plain PyTorch, and `apply` (called once by the Engine) is the one place they com
   condition projections hold int8 weights per output channel or int4 weights in groups
   (`Int8Linear`, `Int4Linear`), multiplied by PyTorch's own kernels
   (`_weight_int8pack_mm`, tinygemm's `_weight_int4pack_mm[_for_cpu]`) on bf16 activations.
+- fp8 (`quantization` "fp8"): e4m3 weights with a scale per output row and e4m3 activations
+  with a scale per token (`Fp8Linear`): `torch._scaled_mm` on CUDA from compute capability 8.9,
+  an emulation of the same numerics elsewhere (for measurement: no speed on the CPU).
 
 Each variant but quantization is the same product in another summation order
 (tests/test_fast_paths.py); quantization is held to the fp32 oracle by the numerics harness
@@ -247,7 +250,69 @@ class Int4Linear(WeightOnlyLinear):
         return y[:, : self.out_features]
 
 
-QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
+# -- fp8: e4m3 weights and activations, one float32 scale per row ----------------------------------
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+FP8_DIMS = 16  # _scaled_mm: the inputs (K) and outputs (N) a multiple of 16; padded with zeros at load
+FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada, Hopper and later
+
+
+def quantize_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, symmetric: t ~ q * scale, q float8_e4m3fn [R, K], scale float32 [R, 1] (the row's
+    absmax / 448, at least float32's smallest normal so that a zero row gives zeros, not NaN).
+    The one quantizer of both the weights (at load) and the activations (every call): no host
+    sync and no branch on values, so it captures into CUDA graphs."""
+    t = t.detach().float()
+    scale = (t.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (t / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fp8_native(device: torch.device) -> bool:
+    """Whether `device` multiplies e4m3 natively (`torch._scaled_mm`, rowwise scales)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
+class Fp8Linear(WeightOnlyLinear):
+    """fp8 rowwise W8A8: weights quantized once here (`quantize_fp8`, one scale per output row),
+    activations per row (token) on every call; the product sums e4m3 x e4m3 in float32, scales
+    by scale_a[m] * scale_b[n] and rounds to bf16.
+
+    On a CUDA device of compute capability >= 8.9 that is `torch._scaled_mm` (rowwise: scale_a
+    [M, 1], scale_b [1, N], float32; its first operand row-major, its second column-major, which
+    the transposed view of the [N, K] weight is; K and N multiples of 16: the weight is padded
+    with zero inputs and zero outputs at load, the activations with zero inputs per call, the
+    extra outputs cut off). Everywhere else (the CPU, older GPUs) the same numerics are
+    *emulated* -- the same quantization of both sides, the product of the e4m3 values in float32,
+    the same scaling and bf16 rounding -- so the numerics harness measures on the CPU what the
+    GPU computes. The emulation is for measurement, not a fast path: it converts the whole
+    weight to float32 on every call; the CPU gets no speed from fp8."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int] | None = None):
+        super().__init__(weight, bias, sizes)
+        n, k = weight.shape
+        self.native = fp8_native(weight.device)
+        # Padding only where the kernel needs it: the emulation multiplies the layer as it is.
+        rows, cols = (-(-n // FP8_DIMS) * FP8_DIMS, -(-k // FP8_DIMS) * FP8_DIMS) if self.native else (n, k)
+        padded = F.pad(weight.detach(), (0, cols - k, 0, rows - n))  # zero rows: scale `tiny`, outputs 0
+        q, scale = quantize_fp8(padded)
+        self.pad_inputs = cols - k
+        self.register_buffer("qweight", q)  # [N, K] row-major: .t() is the column-major [K, N]
+        self.register_buffer("scale", scale.view(1, rows))  # scale_b, [1, N] contiguous
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_inputs:
+            x = F.pad(x, (0, self.pad_inputs))
+        xq, scale_a = quantize_fp8(x)  # [M, K] contiguous (row-major), [M, 1]
+        if self.native:
+            y = torch._scaled_mm(xq, self.qweight.t(), scale_a=scale_a, scale_b=self.scale,
+                                 out_dtype=torch.bfloat16)
+        else:  # the emulation (see the class): e4m3 products are exact in float32
+            y = (torch.mm(xq.float(), self.qweight.float().t()) * scale_a * self.scale).to(torch.bfloat16)
+        return y[:, : self.out_features]
+
+
+QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}
 
 
 class GroupMember(nn.Module):
@@ -267,7 +332,7 @@ class GroupMember(nn.Module):
 
 def quantize(module: nn.Module, kind: str, keep: set[int] = frozenset()) -> None:
     """Every `FusedLinear` and nn.Linear under `module` but those whose id is in `keep` as the
-    `kind` ("int8", "int4") of `WeightOnlyLinear`; fuse first (a group is quantized as one
+    `kind` ("int8", "int4", "fp8") of `WeightOnlyLinear`; fuse first (a group is quantized as one
     product and its layers become `GroupMember`s of it)."""
     make = QUANTIZED[kind]
     members: dict[int, GroupMember] = {}
@@ -303,7 +368,7 @@ def apply(gpt: DualStreamGPT, *others: nn.Module, streaming: bool | None = None,
     speed, for a second copy of those weights. The condition stream runs once per prompt and is
     not packed; a fused group is packed once, as its one weight.
 
-    `quantization` ("none", "int8", "int4"): the GPT's weights as `WeightOnlyLinear`s, but the
+    `quantization` ("none", "int8", "int4", "fp8"): the GPT's weights as `WeightOnlyLinear`s, but the
     modules in `keep` (the engine keeps the condition projections in float32); nothing is packed."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")

@@ -96,7 +96,7 @@ def validate_checkpoint(checkpoint: str, quantization: str = "none") -> dict:
     """Files, headers, version and a strict load (`cubeserve.checkpoint.load_models`); returns
     what the registry records.
 
-    `quantization` (none | int8 | int4) is part of what is served, so of the identity: `sha256`
+    `quantization` (none | int8 | int4 | fp8) is part of what is served, so of the identity: `sha256`
     is the checkpoint's digest for "none", and a digest of it and the quantization otherwise
     (`served_digest`): the same checkpoint quantized is another version, registered, packaged
     and rolled out on its own; `checkpoint_sha256` is the files' digest either way.

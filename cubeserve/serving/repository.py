@@ -65,7 +65,7 @@ def build_version_repository(weights_dir: str | Path, version: int, target_dir: 
     `instance_kind` "gpu": `cube3d_stream` (the engine) runs one KIND_GPU instance on GPU 0;
     the predict model `cube3d` stays KIND_CPU (it only forwards requests to the engine over BLS
     and imports no torch, so it needs no GPU). "cpu": both KIND_CPU (the engine on the config's
-    `device`, cpu). `quantization` (none | int8 | int4): the engine quantizes the GPT's weights
+    `device`, cpu). `quantization` (none | int8 | int4 | fp8): the engine quantizes the GPT's weights
     at load (the weights stay the checkpoint's safetensors), so a quantized version is one more
     checkpoint version. The model code and configs come from template_repository().
 

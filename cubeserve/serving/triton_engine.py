@@ -131,7 +131,7 @@ class EngineModel:
     directory; default "weights"), config (preset or YAML; default: the YAML beside the
     weights), device (for KIND_CPU: cpu; KIND_GPU instances use their own GPU), dtype
     (default: `engine.default_dtype`: bfloat16 on GPU and on CPUs with native bf16, else
-    float32), quantization (none | int8 | int4: weight-only, `fast_paths.quantize`), max_objects (objects in flight, default 8),
+    float32), quantization (none | int8 | int4 | fp8: `fast_paths.quantize`), max_objects (objects in flight, default 8),
     max_queue (requests that may wait beyond those in flight; more are refused as busy;
     default 8 x max_objects), single_block (reference | causal), cuda_graphs (auto | true |
     false; auto = on CUDA).
