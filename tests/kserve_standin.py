@@ -79,9 +79,17 @@
     - the validating webhook on UPDATE, from v0.15.1 (inference_service_validation.go,
       validateDeploymentMode): the annotation, when present, must equal the old object's
       status.deploymentMode, else "update rejected: deploymentMode cannot be changed from ...".
-      From v0.17.0 the defaulting webhook first normalises the legacy names
-      (constants.ParseDeploymentMode, kserve#5025); on v0.16.0 nothing does, so an object
-      annotated "Serverless" whose status says "Knative" refuses every update.
+      From v0.17.0 the defaulting (mutating) webhook first rewrites the legacy names in the
+      object itself, on create and update ("RawDeployment" -> "Standard", "Serverless" ->
+      "Knative": inference_service_defaults.go DefaultInferenceService, 163-176 at v0.20.0,
+      kserve#5025); on v0.16.0 nothing does, so an object annotated "Serverless" whose status
+      says "Knative" refuses every update.
+    - v0.20.0's validating webhook also checks, on UPDATE, validatePredictorNameChange (a new
+      predictor.name needs a new storageUri) and, on every write, validateCanarySpecs (canaries
+      only with the annotation "Standard", after the defaulter; each canary named, not the
+      stable predictor's name, no name twice, trafficPercent 0..100 and at most 100 in all,
+      minReplicas at most the stable's, no maxReplicas): inference_service_validation.go
+      ValidateUpdate 97-105, validateCanarySpecs 183-268, validatePredictorNameChange 703-713.
 """
 
 from __future__ import annotations
@@ -161,21 +169,58 @@ def _living(conditions: list[dict]) -> dict:
     return _condition("Ready", "True")
 
 
+def default_isvc(release: str, obj: dict) -> None:
+    """`release`'s defaulting webhook, as far as the mode names go (module docstring)."""
+    annotations = obj["metadata"].get("annotations") or {}
+    if _release(release) >= (0, 17, 0) and annotations.get(MODE_ANNOTATION) in _NEW_NAMES:
+        annotations[MODE_ANNOTATION] = _NEW_NAMES[annotations[MODE_ANNOTATION]]
+
+
+def _denied(message: str) -> ApiError:
+    """A denial as controller-runtime's admission.Denied answers it."""
+    return ApiError(403, "Forbidden", 'admission webhook "inferenceservice.kserve-webhook-server.validator" '
+                    f"denied the request: {message}")
+
+
 def validate_update(release: str, old: dict, new: dict) -> None:
-    """The deployment-mode check of `release`'s validating webhook on an UPDATE (module
-    docstring); a denial is a 403 as controller-runtime's admission.Denied answers it."""
+    """`release`'s validating webhook on an UPDATE, after the defaulter (module docstring)."""
     if _release(release) < (0, 15, 1):
         return
     recorded = (old.get("status") or {}).get("deploymentMode")
     annotation = (new["metadata"].get("annotations") or {}).get(MODE_ANNOTATION)
-    if not recorded or annotation is None:
+    if recorded and annotation is not None and annotation != recorded:
+        raise _denied(f"update rejected: deploymentMode cannot be changed from '{recorded}' to '{annotation}'")
+    if _release(release) < (0, 20, 0):
         return
-    if _release(release) >= (0, 17, 0):  # the defaulter's ParseDeploymentMode
-        annotation = _NEW_NAMES.get(annotation, annotation)
-    if annotation != recorded:
-        raise ApiError(403, "Forbidden", 'admission webhook "inferenceservice.kserve-webhook-server.validator" '
-                       f"denied the request: update rejected: deploymentMode cannot be changed from "
-                       f"'{recorded}' to '{annotation}'")
+    old_predictor, predictor = old["spec"]["predictor"], new["spec"]["predictor"]
+    if old_predictor.get("name") != predictor.get("name") and \
+            (old_predictor.get("model") or {}).get("storageUri") == (predictor.get("model") or {}).get("storageUri"):
+        raise _denied("predictor.name change requires a model change (e.g. storageUri)")
+    canaries = new["spec"].get("canary") or []
+    if not canaries:
+        return
+    if annotation != "Standard":
+        raise _denied("canary is only supported in Standard deployment mode")
+    names, total = set(), 0
+    for i, canary in enumerate(canaries):
+        name = canary["predictor"].get("name") or ""
+        if not name:
+            raise _denied(f"canary[{i}] predictor.name is required")
+        if name in names:
+            raise _denied(f'canary predictor.name "{name}" is duplicated')
+        if name == predictor.get("name"):
+            raise _denied(f'canary predictor.name "{name}" conflicts with stable predictor name')
+        names.add(name)
+        percent = canary.get("trafficPercent", 0)
+        if not 0 <= percent <= 100:
+            raise _denied(f'canary "{name}" trafficPercent must be between 0 and 100, got {percent}')
+        total += percent
+        if canary["predictor"].get("maxReplicas"):
+            raise _denied(f'canary "{name}" must not set maxReplicas (canary uses fixed replicas)')
+        if canary["predictor"].get("minReplicas", 0) > predictor.get("minReplicas", 1):
+            raise _denied(f'canary "{name}" minReplicas must not exceed stable predictor minReplicas')
+    if total > 100:
+        raise _denied(f"sum of canary trafficPercent values ({total}) must be <= 100")
 
 
 class ApiError(Exception):
@@ -244,6 +289,7 @@ class ObjectStore:
         self.owners: dict[str, set] = {manager: set(leaves(self.obj))}
         self.operations = {manager: operation}
         self.admission = None  # (old, new) -> None or ApiError: the validating webhooks on UPDATE
+        self.mutation = None  # (new) -> None: the defaulting webhook, on every write but status
         self._render_managed_fields()
 
     def get(self) -> dict:
@@ -251,7 +297,9 @@ class ObjectStore:
 
     def _store(self, new: dict, admit: bool = True) -> dict:
         old = self.obj
-        if admit and self.admission is not None:  # not for status: the webhook watches the resource, not /status
+        if admit and self.mutation is not None:  # not for status: the webhooks watch the resource, not /status
+            self.mutation(new)
+        if admit and self.admission is not None:
             self.admission(old, new)
         new["metadata"]["resourceVersion"] = str(int(old["metadata"]["resourceVersion"]) + 1)
         content = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
@@ -427,6 +475,8 @@ class KServeController:
     def __init__(self, store: ObjectStore, release: str = "v0.20.0"):
         self.store, self.release = store, release
         store.admission = lambda old, new: validate_update(release, old, new)
+        store.mutation = lambda new: default_isvc(release, new)
+        default_isvc(release, store.obj)  # it was created through the defaulter too
         self.revisions: list[dict] = []  # Knative: {"name", "uri", "template", "ready"}
         self.ksvc_generation = 0
         self.ksvc_template = None

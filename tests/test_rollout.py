@@ -499,6 +499,27 @@ def test_raw_overlay_applied_client_side_after_a_promote_is_drift():
         world.plan("canary", "3", 0)
 
 
+def test_raw_canary_and_promote_pass_the_v0_20_webhooks():
+    """KServe v0.20.0's defaulter rewrites the overlay's "RawDeployment" to "Standard", and its
+    validating webhook then admits a canary only in that mode (validateCanarySpecs) and a new
+    predictor name only with a new storageUri (validatePredictorNameChange): the tool's canary
+    and promote pass both; the stand-in refuses what KServe refuses."""
+    world = World("raw")
+    assert world.isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
+    world.do("canary", "2", 10)
+    world.kserve.start_pods()
+    world.do("promote")
+    assert world.isvc["spec"]["predictor"]["name"] == "v2"
+    with pytest.raises(ApiError, match="predictor.name change requires a model change"):
+        world.store.update({"spec": {"predictor": {"name": "other"}}}, "kubectl-edit")
+    entry = world.plan("canary", "3", 60).patch["spec"]["canary"][0]
+    for canaries, message in (([entry, entry], "is duplicated"),
+                              ([entry, {**entry, "predictor": {**entry["predictor"], "name": "v4"}}], "must be <= 100"),
+                              ([{**entry, "predictor": {**entry["predictor"], "name": "v2"}}], "conflicts with stable")):
+        with pytest.raises(ApiError, match=message):
+            world.store.update({"spec": {"canary": canaries}}, "kubectl-edit")
+
+
 def test_raw_canaries_need_kserve_0_20():
     world = World("raw")
     canary = r.merge_patch(world.isvc, world.plan("canary", "2", 0).patch)
