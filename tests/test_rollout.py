@@ -940,6 +940,30 @@ def test_cli_canary_promote_and_status(monkeypatch):
     assert code == 0 and json.loads(out)["stable"] == "2"
 
 
+def test_a_patch_that_meets_a_status_write_is_planned_again(monkeypatch, capsys):
+    """KServe writes the status between the tool's read and its patch (a reconcile moves the
+    resourceVersion): the precondition fails with 409; the command reads again, plans again from
+    what it finds and patches once. A conflict that does not stop is reported, nothing changed."""
+    world = World("canary")
+    cluster = FakeCluster(world)
+    send = cluster.patch
+    status_writes = iter([True, True])
+
+    def patch_after_a_status_write(api, name, body):
+        if next(status_writes, False):
+            world.kserve.reconcile()
+        return send(api, name, body)
+
+    cluster.patch = patch_after_a_status_write
+    code, out = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "10")
+    assert code == 0 and len(cluster.patches) == 1 and world.state().canary == "2", out
+    status_writes = iter(lambda: True, None)  # KServe writes before every patch
+    before = world.isvc["spec"]
+    code, _ = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "30")
+    assert code == cli.API_ERROR and "409" in capsys.readouterr().err
+    assert world.isvc["spec"] == before and len(cluster.patches) == 1
+
+
 def test_cli_refusals_change_nothing(monkeypatch, capsys):
     world = World("raw")
     cluster = FakeCluster(world)

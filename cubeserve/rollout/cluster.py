@@ -27,6 +27,9 @@ ISVC_CRD = "inferenceservices.serving.kserve.io"
 KSERVE_CONFIG = "inferenceservice-config"  # KServe's own ConfigMap, in its namespace
 DEFAULT_ISVC = "cube3d"
 DEFAULT_HTTPROUTE = "cube3d-ab"
+# Patches refused in a row because the object moved since it was read (409: KServe's own status
+# writes move its resourceVersion too), each planned again from a fresh read, before giving up.
+CONFLICT_RETRIES = 5
 
 
 def _status(exc: Exception) -> int | None:
@@ -215,10 +218,8 @@ class Rollout:
         return notes
 
     def run(self, action: str, **kwargs) -> Plan:
-        """Plan and apply one step (the pipeline's entry point)."""
-        isvc, plan = self.plan(action, **kwargs)
-        self.apply(isvc, plan)
-        return plan
+        """Plan and apply one step (the pipeline's entry point), as run_until_done without waiting."""
+        return self.run_until_done(action, **kwargs)[-1]
 
     def run_until_done(self, action: str, wait: float = 0.0, dry_run: bool = False,
                        on_plan=lambda plan, notes: None, on_wait=lambda exc, seconds: time.sleep(seconds),
@@ -228,10 +229,14 @@ class Rollout:
         seconds have passed (then NotReady is raised); a Serverless rollback takes two patches
         (pin traffic to the previous revision, then drop the split once the reverted revision is
         ready), and with `wait` the second follows in the same call, so a rollback never stops
-        halfway. `on_plan(plan, notes)` sees each plan; `on_wait(exc, seconds)` waits (and may
-        report why). Returns the plans applied."""
+        halfway. A patch refused because the object changed since it was read (409) is planned
+        again from a fresh read, up to CONFLICT_RETRIES times in a row: the plan is checked
+        against what is there now, so another writer's change is never overwritten.
+        `on_plan(plan, notes)` sees each plan; `on_wait(exc, seconds)` waits (and may report
+        why). Returns the plans applied."""
         deadline = time.monotonic() + wait
         applied: list[Plan] = []
+        conflicts = 0
         while True:
             try:
                 isvc, plan = self.plan(action, **kwargs)
@@ -242,7 +247,14 @@ class Rollout:
                 continue
             if applied and not plan.changed:
                 return applied
-            notes = self.apply(isvc, plan, dry_run)
+            try:
+                notes = self.apply(isvc, plan, dry_run)
+            except Exception as exc:  # noqa: BLE001 - the kubernetes client's ApiException
+                if _status(exc) != 409 or conflicts >= CONFLICT_RETRIES:
+                    raise
+                conflicts += 1
+                continue
+            conflicts = 0
             on_plan(plan, notes)
             applied.append(plan)
             if not (plan.changed and wait and action == "rollback" and not dry_run):
