@@ -11,7 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from cubeserve.requests import Unavailable
 from cubeserve.serving.drain import IN_PROGRESS_METRIC, marker_path
-from cubeserve.serving.triton_metrics import locked
+from cubeserve.serving.triton_metrics import kept, locked
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -58,11 +58,11 @@ class Drain:
     def __init__(self, args: dict):
         # A stub is a child of tritonserver; the marker names that process.
         self.marker = marker_path(os.getppid())
-        self.family = pb_utils.MetricFamily(
+        self.family = kept(pb_utils.MetricFamily(
             name=IN_PROGRESS_METRIC, kind=pb_utils.MetricFamily.GAUGE,
-            description="Requests accepted and not yet answered (a drain waits for 0)")
-        self.gauge = self.family.Metric(labels={"model": args["model_name"], "version": args["model_version"],
-                                                "instance": args["model_instance_name"]})
+            description="Requests accepted and not yet answered (a drain waits for 0)"))
+        self.gauge = kept(self.family.Metric(labels={"model": args["model_name"], "version": args["model_version"],
+                                                     "instance": args["model_instance_name"]}))
         self._count = 0
         self._lock = threading.Lock()
 

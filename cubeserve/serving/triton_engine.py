@@ -36,7 +36,7 @@ from cubeserve.serving.cpu_share import engine_processes
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
 from cubeserve.serving.stubs import end_this_process_after
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
-from cubeserve.serving.triton_metrics import Measurements, locked
+from cubeserve.serving.triton_metrics import Measurements, kept, locked
 
 CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
 EXIT_GRACE_S = 30.0  # after finalize: an engine process still running then is stuck on its way out
@@ -60,7 +60,7 @@ class TritonStats(EngineStats):
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         # The families must outlive their metrics, so they are kept on the object.
         self.families = {
-            name: pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+            name: kept(pb_utils.MetricFamily(name=name, description=desc, kind=kind))
             for name, desc, kind in (
                 ("cube3d_tokens_generated_total", "Shape tokens generated", counter),
                 ("cube3d_objects_completed_total", "Objects (meshes) completed", counter),
@@ -74,10 +74,10 @@ class TritonStats(EngineStats):
                                                   "(client gone), by reason", counter),
             )
         }
-        self.metric = {name: family.Metric(labels=labels) for name, family in self.families.items()
+        self.metric = {name: kept(family.Metric(labels=labels)) for name, family in self.families.items()
                        if name != "cube3d_requests_dropped_total"}
         dropped = self.families["cube3d_requests_dropped_total"]
-        self.dropped = {reason: dropped.Metric(labels={**labels, "reason": reason})
+        self.dropped = {reason: kept(dropped.Metric(labels={**labels, "reason": reason}))
                         for reason in ("refused_busy", "expired", "cancelled")}
 
     def on_step(self, objects, seconds):

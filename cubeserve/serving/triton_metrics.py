@@ -6,10 +6,22 @@ set and observe each write their value into one shared-memory block of the metri
 tritonserver (src/metric.cc, Send*Request), and two threads doing so at once corrupt it and crash
 the server. Metric objects are made on first use for each label set and kept: a family and its
 metrics must outlive the updates.
+
+And none is ever deleted (`kept`): python_backend r24.10 deletes a Metric or MetricFamily by
+messaging tritonserver through the stub (Metric::Clear, ~MetricFamily: src/metric.cc,
+src/metric_family.cc). Left to the stub's exit, that runs while the stub object is torn down,
+after its shared memory is gone: the stub dies on unload with SIGSEGV (a core dump here:
+Metric::SaveToSharedMemory <- Metric::Clear <- ~MetricFamily <- ~Stub) or glibc's "free():
+invalid pointer" (triton-inference-server/server#8662). Deleting them earlier, in finalize, is
+worse: processes with the same label set (the predict model's versions, each counting every
+arm's version) share one metric in tritonserver, and the second delete frees it again
+(server#8663; tritonserver aborted here with "malloc_consolidate(): unaligned fastbin chunk").
+So the process holds them until it ends, as it did whenever its exit got that far.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import triton_python_backend_utils as pb_utils
@@ -17,6 +29,13 @@ import triton_python_backend_utils as pb_utils
 from cubeserve.serving import metrics as names
 
 _LOCK = threading.Lock()
+
+
+def kept(obj):
+    """`obj`, a MetricFamily or Metric, never freed by this process (module docstring): one more
+    reference that nothing releases, so no destructor of it runs, at unload or at exit."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+    return obj
 
 # name -> (description, kind, buckets or None)
 _FAMILIES = {
@@ -52,10 +71,10 @@ class Measurements:
             description, kind, buckets = _FAMILIES[name]
             family = self._families.get(name)
             if family is None:
-                family = self._families[name] = pb_utils.MetricFamily(
-                    name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind))
+                family = self._families[name] = kept(pb_utils.MetricFamily(
+                    name=name, description=description, kind=getattr(pb_utils.MetricFamily, kind)))
             full = {"model": self.model, **labels}
-            metric = family.Metric(labels=full, buckets=list(buckets)) if buckets else family.Metric(labels=full)
+            metric = kept(family.Metric(labels=full, buckets=list(buckets)) if buckets else family.Metric(labels=full))
             self._metrics[key] = metric
         return metric
 
