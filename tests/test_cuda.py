@@ -128,11 +128,8 @@ def test_warp_marching_cubes_on_the_gpu_gives_the_cpu_mesh():
     np.testing.assert_allclose(key(gpu.vertices), key(cpu.vertices), rtol=0, atol=3e-5)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_weights_capture_into_the_decode_graphs(tiny_weights, quantization):
-    """The weight-only kernels on CUDA (int8: _weight_int8pack_mm; int4: tinygemm) run inside
-    the captured decode graphs and replay what the eager quantized step computes."""
-    engine = Engine.from_dir(tiny_weights, device="cuda", dtype="bfloat16", quantization=quantization)
+def assert_graphs_replay_eager(engine) -> None:
+    """The decode steps captured in CUDA graphs make the eager step's tokens."""
     eager = engine.generate_tokens(REQUESTS)
     pool = engine.decode_runner(max_objects=8, graph_buckets=(1, 2, 4, 8))
     assert pool.graphs
@@ -140,6 +137,14 @@ def test_quantized_weights_capture_into_the_decode_graphs(tiny_weights, quantiza
     for _ in range(engine.cfg.num_tokens):
         pool.step()
     assert torch.equal(pool.tokens[: len(REQUESTS)], eager)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_capture_into_the_decode_graphs(tiny_weights, quantization):
+    """The weight-only kernels on CUDA (int8: _weight_int8pack_mm; int4: tinygemm) run inside
+    the captured decode graphs and replay what the eager quantized step computes."""
+    engine = Engine.from_dir(tiny_weights, device="cuda", dtype="bfloat16", quantization=quantization)
+    assert_graphs_replay_eager(engine)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
@@ -154,13 +159,7 @@ def test_fp8_captures_into_the_decode_graphs(tiny_weights, monkeypatch):
     engine = Engine.from_dir(tiny_weights, device="cuda", dtype="bfloat16", quantization="fp8")
     layers = [m for m in engine.gpt.modules() if isinstance(m, Fp8Linear)]
     assert layers and all(m.native for m in layers)
-    eager = engine.generate_tokens(REQUESTS)
-    pool = engine.decode_runner(max_objects=8, graph_buckets=(1, 2, 4, 8))
-    assert pool.graphs
-    pool.admit(REQUESTS)
-    for _ in range(engine.cfg.num_tokens):
-        pool.step()
-    assert torch.equal(pool.tokens[: len(REQUESTS)], eager)
+    assert_graphs_replay_eager(engine)
 
     torch.manual_seed(0)
     weight, x = torch.randn(50, 72, device="cuda"), torch.randn(5, 72, device="cuda")  # padded to 64 x 80
