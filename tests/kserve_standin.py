@@ -11,9 +11,10 @@
       ("Conflicts", "Merge strategy"): an update takes the fields it changed from their other
       owners; an apply that would change a field another manager owns is a 409 Conflict unless
       forced; lists marked atomic (spec.canary: +listType=atomic) are one field.
-* `KServeController`: the status KServe v0.20.0's controller writes (tags v0.14.0-v0.20.0 agree on
-  everything used here except spec.canary, new in v0.20.0), with the Knative Serving behaviour it
-  relies on. Line numbers are at tag v0.20.0 of github.com/kserve/kserve:
+* `KServeController`: what KServe's controller and webhooks do at the tag `release` (v0.14.0 to
+  v0.20.0; where the tags differ, "Per release" below says how; spec.canary is v0.20.0's), with
+  the Knative Serving and Kubernetes behaviour it relies on. Line numbers are at tag v0.20.0 of
+  github.com/kserve/kserve unless a tag is named:
     - Serverless traffic: pkg/controller/v1beta1/inferenceservice/reconcilers/knative/
       ksvc_reconciler.go 133-164: with canaryTrafficPercent and a latestRolledoutRevision, the
       latest revision gets the percent (tag `latest` with tag routing) and the last rolled-out
