@@ -199,15 +199,17 @@ def tiny_oracle(tiny_weights):
 
 
 def test_fp8_generates_valid_tokens_close_to_float32_and_a_broken_fp8_does_not(tiny_weights, tiny_oracle,
-                                                                               monkeypatch):
+                                                                               monkeypatch, caplog):
     """An fp8 engine (the CPU's emulation of the GPU kernel's numerics) decodes the tiny model's
     codes, close to the float32 oracle but not as close as int8: e4m3 keeps 3 mantissa bits where
     a per-row int8 keeps about 7, and fp8 rounds the activations too. Measured on these weights
     (6 prompts): int8 agreement 0.995, KL 9.6e-6; fp8 0.932, KL 2.4e-4; int4 0.938, KL 1.2e-3.
     So the bound held here is the measured one, with margin: agreement >= 0.9, KL below 1e-3 and
     below int4's; and scales off by 30 % are told apart."""
-    engine = Engine.from_dir(tiny_weights, dtype="float32", quantization="fp8")
+    with caplog.at_level(logging.WARNING, logger="cubeserve.engine.engine"):
+        engine = Engine.from_dir(tiny_weights, dtype="float32", quantization="fp8")
     assert engine.quantization == "fp8"
+    assert "fp8 on cpu is an emulation" in caplog.text  # slower than float32: the user is told
     assert any(isinstance(m, Fp8Linear) for m in engine.gpt.modules())
     tokens = engine.generate_tokens(numerics.requests_for(["a red chair", "a round table"]))
     assert tokens.shape == (2, engine.cfg.num_tokens) and tokens.dtype == torch.long

@@ -140,6 +140,10 @@ class Engine:
         cast_linears(self.gpt, dtype, skip=keep_fp32)
         cast_linears(self.tokenizer, dtype)
         fast_paths.apply(self.gpt, self.tokenizer, quantization=quantization, keep=keep_fp32)
+        if quantization == "fp8" and not fast_paths.fp8_native(self.device):
+            # Chosen on purpose for its numerics, not its speed: say so where nobody reads a docstring.
+            log.warning("fp8 on %s is an emulation of the CUDA kernel's numerics (for measurement), slower than "
+                        "float32; fp8 runs natively on CUDA devices of compute capability 8.9 or newer", self.device)
         self.text = text
         # The unconditional prefix: CLIP("") (+ a zero box), prefilled once and shared.
         self.uncond_kv = prefill_condition(self.gpt, self.condition([""], [None]), self.dtype)
