@@ -128,11 +128,12 @@ def test_a_quantized_engine_keeps_no_float_copy_of_the_gpt_weights(make_engine, 
     quantized = {q: Engine.from_dir(tiny_weights, dtype="float32", quantization=q) for q in ("int8", "int4", "fp8")}
     for q, engine in quantized.items():
         gpt = engine.gpt
-        kept = {id(m) for m in (gpt.text_proj, gpt.shape_proj)}
+        kept = {id(m) for m in (gpt.text_proj, gpt.shape_proj)} | ({id(gpt.lm_head)} if q == "int8" else set())
         for m in gpt.modules():
             assert not isinstance(m, FusedLinear)
-            if isinstance(m, nn.Linear):  # only the condition projections stay float32
+            if isinstance(m, nn.Linear):  # the condition projections (and int8's lm_head) stay float32
                 assert id(m) in kept and m.weight.dtype == torch.float32, q
+        assert isinstance(gpt.lm_head, nn.Linear) == (q == "int8"), q
         assert all(isinstance(m, (WeightOnlyLinear, GroupMember))
                    for blk in gpt.transformer.single_blocks for m in (blk.attn.c_v, blk.attn.project))
     sizes = {q: fast_paths.weight_bytes(e.gpt) for q, e in quantized.items()}
@@ -180,11 +181,17 @@ def test_the_harness_finds_the_oracle_equal_to_itself(demo_oracle):
 
 
 def test_int8_on_the_demo_model_stays_close_and_a_broken_int8_does_not(demo_oracle, monkeypatch):
-    """The trained demo model's margins: int8 keeps the oracle's choices and objects; the
-    harness tells a wrong dequantization (scales off by 30 %) from it."""
+    """The trained demo model's margins: int8 keeps the oracle's choices and objects, and its
+    KL from the oracle is below bfloat16's (which matches the reference's bf16 autocast, the
+    bar: BENCHMARKS.md, "Numerics"). That needs `lm_head` kept out of int8: measured on these
+    6 prompts, KL 9.4e-5 with it kept, 3.3e-4 with it quantized, bfloat16 1.9e-4. The harness
+    tells a wrong dequantization (scales off by 30 %) from it."""
     good = numerics.compare(demo_oracle, numerics.EngineDecoder(
         Engine.from_dir(DEMO_MODEL, dtype="float32", quantization="int8")), "int8")
-    assert good.agreement >= 0.95 and good.kl < 0.01 and good.iou >= 0.9, good.summary()
+    assert good.agreement >= 0.95 and good.iou >= 0.9, good.summary()
+    bf16 = numerics.compare(demo_oracle, numerics.EngineDecoder(Engine.from_dir(DEMO_MODEL, dtype="bfloat16")),
+                            "bfloat16")
+    assert good.kl < bf16.kl, (good.summary(), bf16.summary())
     real = fast_paths.quantize_int8
     monkeypatch.setattr(fast_paths, "quantize_int8", lambda w: (lambda q, s: (q, s * 1.3))(*real(w)))
     broken = numerics.compare(demo_oracle, numerics.EngineDecoder(

@@ -112,8 +112,8 @@ class Engine:
                  engines_sharing_cpu: int = 1, quantization: str = "none"):
         """`quantization`: "none", or the GPT's weights as "int8" (per output channel) or "int4"
         (in groups), weight-only, or "fp8" (e4m3 weights and activations, per-row scales; an
-        emulation off CUDA capability 8.9) (`fast_paths.quantize`); the condition projections and
-        the shape tokenizer keep `dtype`.
+        emulation off CUDA capability 8.9) (`fast_paths.quantize`); the condition projections,
+        the shape tokenizer and, for int8, `lm_head` (`fast_paths.KEEP_LOGITS`) keep `dtype`.
         `cpu_threads`: PyTorch's intra-op threads (process-wide); None: $OMP_NUM_THREADS if
         set, else the CPUs the cgroup's quota and the affinity mask allow, divided among the
         `engines_sharing_cpu` engine processes that share them (`threads.decide_cpu_threads`)."""

@@ -12,9 +12,9 @@ plain PyTorch, and `apply` (called once by the Engine) is the one place they com
   few rows by each weight, where MKL's F.linear is slow (BENCHMARKS.md, "What the CPU step
   is made of").
 - Weight-only quantization (`quantization` "int8" or "int4"): the GPT's products but the
-  condition projections hold int8 weights per output channel or int4 weights in groups
-  (`Int8Linear`, `Int4Linear`), multiplied by PyTorch's own kernels
-  (`_weight_int8pack_mm`, tinygemm's `_weight_int4pack_mm[_for_cpu]`) on bf16 activations.
+  condition projections (and, for int8, `lm_head`: `KEEP_LOGITS`) hold int8 weights per output
+  channel or int4 weights in groups (`Int8Linear`, `Int4Linear`), multiplied by PyTorch's own
+  kernels (`_weight_int8pack_mm`, tinygemm's `_weight_int4pack_mm[_for_cpu]`) on bf16 activations.
 - fp8 (`quantization` "fp8"): e4m3 weights with a scale per output row and e4m3 activations
   with a scale per token (`Fp8Linear`): `torch._scaled_mm` on CUDA from compute capability 8.9,
   an emulation of the same numerics elsewhere (for measurement: no speed on the CPU).
@@ -161,6 +161,12 @@ def stream(module: nn.Module, packed: set[int] = frozenset()) -> None:
 ACTIVATION_DTYPE = torch.bfloat16
 INT4_GROUP_SIZES = (128, 64, 32)  # per layer, the largest that divides its inputs
 INT4_ROWS = 16  # tinygemm packs outputs in tiles of 16 rows (CPU) or 8 (CUDA): pad to 16
+# The quantizations that leave `lm_head` (the logits' own product) in the compute dtype. Its
+# rounding lands on the logits undamped: on the trained demo model an int8 `lm_head` made half of
+# float32+int8's KL from the float32 oracle (BENCHMARKS.md, "Numerics"), for 5 % of the GPT's
+# weights there (under 3 % of those a v0.1 step reads). int4's and fp8's error is in the blocks:
+# keeping their `lm_head` changed nothing measurable, so they take its bytes and speed.
+KEEP_LOGITS = frozenset({"int8"})
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,7 +375,8 @@ def apply(gpt: DualStreamGPT, *others: nn.Module, streaming: bool | None = None,
     not packed; a fused group is packed once, as its one weight.
 
     `quantization` ("none", "int8", "int4", "fp8"): the GPT's weights as `WeightOnlyLinear`s, but the
-    modules in `keep` (the engine keeps the condition projections in float32); nothing is packed."""
+    modules in `keep` (the engine keeps the condition projections in float32) and, for the
+    quantizations in `KEEP_LOGITS`, `lm_head`; nothing is packed."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if streaming is None:
@@ -380,7 +387,8 @@ def apply(gpt: DualStreamGPT, *others: nn.Module, streaming: bool | None = None,
     fuse(gpt, packed=decode)
     _swap(gpt, QKNorm, FrozenQKNorm)
     if quantized:
-        quantize(gpt, quantization, keep={id(m) for k in keep for m in k.modules()})
+        kept = (*keep, gpt.lm_head) if quantization in KEEP_LOGITS else keep
+        quantize(gpt, quantization, keep={id(m) for k in kept for m in k.modules()})
     if streaming:
         stream(gpt, packed=decode)
         for module in others:
