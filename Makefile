@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30  # the slowest tests, to keep the suite within its time
 
 # The inner loop: everything but the image build (tests/test_image.py, marker `image`).
 test-quick: install
