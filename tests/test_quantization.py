@@ -184,7 +184,7 @@ def test_int8_on_the_demo_model_stays_close_and_a_broken_int8_does_not(demo_orac
     """The trained demo model's margins: int8 keeps the oracle's choices and objects, and its
     KL from the oracle is below bfloat16's (which matches the reference's bf16 autocast, the
     bar: BENCHMARKS.md, "Numerics"). That needs `lm_head` kept out of int8: measured on these
-    6 prompts, KL 9.4e-5 with it kept, 3.3e-4 with it quantized, bfloat16 1.9e-4. The harness
+    6 prompts (AMD EPYC, AVX2 only), KL 9.4e-5 with it kept, 3.3e-4 with it quantized, bfloat16 1.9e-4. The harness
     tells a wrong dequantization (scales off by 30 %) from it."""
     good = numerics.compare(demo_oracle, numerics.EngineDecoder(
         Engine.from_dir(DEMO_MODEL, dtype="float32", quantization="int8")), "int8")
