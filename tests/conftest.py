@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from cubeserve.checkpoint import write_random_weights
-from cubeserve.engine import Engine
+# The suite's processes (pytest, the Triton servers and Ray workers it starts, which inherit
+# this) share two cores. libgomp's default wait policy spins threads at every barrier; when
+# another process holds the other core, each parallel region of small ops then waits out a
+# scheduler slice: the demo-shape tests ran 20x slower beside one busy 2-thread process. Passive
+# waiting only costs timing, which no test asserts. It must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+
+from cubeserve.checkpoint import write_random_weights  # noqa: E402
+from cubeserve.engine import Engine  # noqa: E402
 
 
 @pytest.fixture(scope="session")
