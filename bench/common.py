@@ -68,11 +68,11 @@ def timed(fn, device: torch.device, repeat: int = 1) -> float:
 
 def write_results(records: list[Record], header: dict) -> None:
     """Merge these records into bench/results.json (replacing earlier ones of the same
-    section and device), keeping other sections and devices as they were measured."""
+    section, device and config), keeping the others as they were measured."""
     existing = []
     if RESULTS_JSON.exists():
         existing = json.loads(RESULTS_JSON.read_text()).get("records", [])
-    keys = {(r.section, r.device) for r in records}
-    kept = [r for r in existing if (r["section"], r["device"]) not in keys]
+    keys = {(r.section, r.device, r.config) for r in records}
+    kept = [r for r in existing if (r["section"], r["device"], r["config"]) not in keys]
     data = {"generated": header, "records": kept + [asdict(r) for r in records]}
     RESULTS_JSON.write_text(json.dumps(data, indent=2) + "\n")

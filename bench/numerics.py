@@ -75,9 +75,11 @@ class ReferenceDecoder:
         if len(guidance) != 1 or any(r.bbox is not None for r in requests):
             raise ValueError("the reference runs one guidance scale per batch and no boxes here")
         seen = []
+        self.picked_at = []  # when each token was picked: the decode steps' times, for bench.quantization
 
         def process_logits(logits, top_p=None):
             i = len(seen)
+            self.picked_at.append(time.perf_counter())
             seen.append(logits.float().clone())
             return force[:, i: i + 1].clone() if force is not None else logits.argmax(dim=-1, keepdim=True)
 
@@ -104,7 +106,7 @@ def main(argv=None) -> None:
     src.add_argument("--weights", type=Path, help="a checkpoint directory (e.g. models/demo)")
     src.add_argument("--config", help="random weights of this preset (e.g. mid): mechanics, not margins")
     ap.add_argument("--seed", type=int, default=0, help="of the random weights")
-    ap.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help="none, with --reference: the reference's row alone")
     ap.add_argument("--prompts", type=int, default=len(numerics.PROMPTS), help="how many of the prompt set")
     ap.add_argument("--guidance", type=float, default=3.0)
     ap.add_argument("--resolution", type=int, default=numerics.RESOLUTION)
@@ -129,7 +131,7 @@ def main(argv=None) -> None:
         # The reference first: a missing package there fails before the long part.
         ref = ReferenceDecoder(args.reference, Path(weights), tokenizer) if args.reference else None
         reports = []
-        for mode in args.modes.split(","):
+        for mode in [m for m in args.modes.split(",") if m and m != "none"]:
             dtype, quantization = parse_mode(mode)
             engine = Engine.from_dir(weights, dtype=dtype, quantization=quantization, cpu_threads=args.threads)
             reports.append(numerics.compare(oracle, numerics.EngineDecoder(engine), mode))
