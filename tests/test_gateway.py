@@ -355,6 +355,35 @@ def test_a_backend_killed_mid_run_fails_no_client_request(start):
     assert stats["cluster.backends.upstream_rq_retry"] > 0  # the cut requests were retried, not failed
 
 
+def test_a_retry_leaves_a_dead_backend_though_it_has_the_fewest_requests(start):
+    """The race behind a rare 503 in the test above, made certain. A dead backend has no requests
+    in flight, so LEAST_REQUEST's full scan picks it over a busy survivor every time
+    (least_request_lb.cc, unweightedHostPickFullScan), retries included: previous_hosts only makes
+    the balancer pick again, up to host_selection_retry_max_attempts times, then it takes the last
+    pick anyway (load_balancer_impl.cc, chooseHost: "If we didn't find anything, return the last
+    host"). With ejection after 3 failures in a row all three attempts of a request landed on the
+    dead backend (503, every time here). One refused connection ejects it now, so the retry finds
+    only the survivor."""
+    one, two = start.stub("one"), start.stub("two", delay=3.0)
+    g = start([one.address, two.address], [tenant("team-a")])
+
+    def until_one_is_at_two():  # the requests `one` answers return at once; the one at `two` is held
+        while not two.requests():
+            call(g, key=KEYS["team-a"])
+
+    busy = threading.Thread(target=until_one_is_at_two)
+    busy.start()
+    wait_until(lambda: two.requests(), 20, "a request in flight at `two`")
+    one.kill()  # before the health checks (1 s apart, 2 to fail) can notice
+    status, _, body = call(g, key=KEYS["team-a"])
+    busy.join(30)
+    assert status == 200, body
+    assert json.loads(body)["backend"] == "two"
+    stats = g.stats()
+    assert stats["cluster.backends.upstream_rq_retry"] >= 1
+    assert stats["cluster.backends.outlier_detection.ejections_enforced_consecutive_local_origin_failure"] == 1
+
+
 # -- the real server: a mesh, its per-tenant meters, `cubeserve usage` --------------------------------
 
 # The server's experiment: two versions of the engine (both the demo checkpoint), half the users
@@ -572,6 +601,16 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
     assert set(spec["retry"]["retryOn"]["triggers"]) == {"connect-failure", "reset", "retriable-status-codes"}
     assert spec["retry"]["retryOn"]["httpStatusCodes"] == list(local.RETRIABLE_STATUS_CODES)
     assert spec["retry"]["numRetries"] == local.MAX_RETRIES
+    # Passive health as Envoy Gateway v1.9.0 translates it (internal/xds/translator/cluster.go,
+    # buildXdsOutlierDetection, lines 715-750: each field set only when given, so the CRD's
+    # consecutive5XxErrors default of 5 would apply unless overridden).
+    passive, od = spec["healthCheck"]["passive"], local.OUTLIER_DETECTION
+    assert passive["splitExternalLocalOriginErrors"] is od["split_external_local_origin_errors"]
+    assert passive["consecutiveLocalOriginFailures"] == od["consecutive_local_origin_failure"]
+    assert passive["consecutiveGatewayErrors"] == od["consecutive_gateway_failure"]
+    assert passive["consecutive5XxErrors"] == od["consecutive_5xx"]
+    assert passive["maxEjectionPercent"] == od["max_ejection_percent"]
+    assert passive["baseEjectionTime"] == od["base_ejection_time"]
     budget = spec["circuitBreaker"]["retryBudget"]
     assert budget["percent"]["numerator"] * 100 / budget["percent"]["denominator"] == local.RETRY_BUDGET_PERCENT
     assert budget["minRetryConcurrency"] == local.MIN_RETRIES_AT_ONCE

@@ -20,9 +20,9 @@ What a request meets, in order (the edge listener's HTTP filters, then its route
    an overflow, answered 429 with Retry-After (local_reply_config maps the UO flag).
 7. An internal listener, then the `backends` cluster shared by all tenants: LEAST_REQUEST (so
    the load of every tenant counts), active health checks on the readiness path, outlier ejection
-   on gateway errors, and retries of connect failures, resets and 503s on another backend,
-   within a retry budget. A generation is a pure function of its request (its seed), so running
-   a reset one again elsewhere is safe.
+   at a refused or cut connection and on gateway errors, and retries of connect failures, resets
+   and 503s on another backend, within a retry budget. A generation is a pure function of its
+   request (its seed), so running a reset one again elsewhere is safe.
 """
 
 from __future__ import annotations
@@ -62,6 +62,13 @@ MAX_RETRIES = 2
 # always (a backend dying with a few requests each from a few clients must not fail them).
 RETRY_BUDGET_PERCENT = 20
 MIN_RETRIES_AT_ONCE = 8
+# Passive health (Envoy's outlier detection), mirrored by k8s/gateway/backendtrafficpolicy.yaml.
+OUTLIER_DETECTION = {
+    "split_external_local_origin_errors": True,
+    "consecutive_local_origin_failure": 1, "enforcing_consecutive_local_origin_failure": 100,
+    "consecutive_gateway_failure": 3, "enforcing_consecutive_gateway_failure": 100,
+    "consecutive_5xx": 1 << 20,  # other 5xx answers never eject
+    "interval": "1s", "base_ejection_time": "10s", "max_ejection_percent": 50}
 BACKENDS = "backends"
 CONCURRENCY_RETRY_AFTER_S = 1  # a tenant at its concurrency cap: a request ends within seconds, or more
 _ALL = {"numerator": 100, "denominator": "HUNDRED"}
@@ -192,10 +199,10 @@ def render(config: GatewayConfig) -> dict:
         "health_checks": [{"timeout": _duration(max(1.0, interval)), "interval": _duration(interval),
                            "unhealthy_threshold": 2, "healthy_threshold": 1,
                            "http_health_check": {"path": deploy.READY_PATH}}],
-        # A backend answering 502/503/504 or refusing connections 3 times in a row rests a while.
-        "outlier_detection": {"consecutive_gateway_failure": 3, "enforcing_consecutive_gateway_failure": 100,
-                              "consecutive_5xx": 1 << 20, "interval": "1s", "base_ejection_time": "10s",
-                              "max_ejection_percent": 50},
+        # A backend rests a while after one refused or cut connection (a dead backend has no
+        # requests in flight, so the full scan above picks it for every try until it is ejected:
+        # tests/test_gateway.py), or after answering 502/503/504 3 times in a row.
+        "outlier_detection": OUTLIER_DETECTION,
         "circuit_breakers": {"thresholds": [{**many, "retry_budget": {
             "budget_percent": {"value": RETRY_BUDGET_PERCENT}, "min_retry_concurrency": MIN_RETRIES_AT_ONCE}}]},
     }
