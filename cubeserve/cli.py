@@ -132,11 +132,10 @@ def cmd_serve(args) -> int:
     key_file.touch(mode=0o600)
     key_file.write_text(server.admin_key + "\n")
     server.start(timeout=args.timeout)
-    print(f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
-          f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
-          f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it", flush=True)
     try:
-        _wait_then_stop(server)
+        _wait_then_stop(server, f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
+                                f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
+                                f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it")
     finally:
         key_file.unlink(missing_ok=True)
     return 0
@@ -173,14 +172,17 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def _wait_then_stop(child) -> None:
-    """Wait for `child` (its .process, .stop()) until it ends, Ctrl-C or SIGTERM: SIGTERM (kill, a
-    process manager) stops it too, as Ctrl-C does, instead of leaving it running without its parent."""
+def _wait_then_stop(child, ready: str) -> None:
+    """Say `ready`, then wait for `child` (its .process, .stop()) until it ends, Ctrl-C or SIGTERM:
+    SIGTERM (kill, a process manager) stops it too, as Ctrl-C does, instead of leaving it running
+    without its parent. The handler is in place before `ready` is printed: a script that stops
+    the command as soon as it reads the line gets the same clean stop."""
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the cleanup below
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    print(ready, flush=True)
     try:
         child.process.wait()
     except KeyboardInterrupt:
@@ -207,12 +209,10 @@ def cmd_gateway(args) -> int:
         return 0
     gateway = Gateway(cfg, concurrency=args.concurrency).start()
     backends = ", ".join(f"{host}:{port}" for host, port in cfg.backends)
-    print(f"gateway on {gateway.url} (Envoy pid {gateway.process.pid}, admin and stats {gateway.admin_url}) "
-          f"-> {backends}; tenants {', '.join(cfg.tenant_ids)}; an object costs {cfg.tokens_per_object} shape "
-          f"tokens ({cfg.model}); servers meter these tenants when started with "
-          f"CUBE3D_TENANTS={','.join(cfg.tenant_ids)}; Ctrl-C stops it", flush=True)
-
-    _wait_then_stop(gateway)
+    _wait_then_stop(gateway, f"gateway on {gateway.url} (Envoy pid {gateway.process.pid}, admin and stats "
+                             f"{gateway.admin_url}) -> {backends}; tenants {', '.join(cfg.tenant_ids)}; an object "
+                             f"costs {cfg.tokens_per_object} shape tokens ({cfg.model}); servers meter these tenants "
+                             f"when started with CUBE3D_TENANTS={','.join(cfg.tenant_ids)}; Ctrl-C stops it")
     return 0
 
 

@@ -525,14 +525,39 @@ def test_in_a_container_the_supervisor_exits_for_the_kubelet_to_restart(repo, tm
         assert triton.process.wait(60) == FAULT_EXIT_CODE
 
 
-def test_cubeserve_serve_runs_supervised_and_sigterm_stops_every_process(repo, tmp_path):
-    """`cubeserve serve` (`make serve`): tritonserver under the supervisor; SIGTERM to the command
-    (a process manager, `kill`) passes down the tree, and no process is left behind."""
-    import subprocess
-    import sys
-    from pathlib import Path
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie (its parent gone, nobody in this sandbox may reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
+def test_a_child_started_by_a_worker_thread_outlives_that_thread():
+    """The parent-death signal follows the thread that forked: a server started from a worker
+    thread (a fixture's pool, a Ray actor) would get SIGTERM when that thread ends, so there
+    cubeserve/lifetime.py does not set it."""
+    from cubeserve.lifetime import ends_with_this_process
+
+    started = []
+    worker = threading.Thread(target=lambda: started.append(
+        subprocess.Popen(["sleep", "60"], preexec_fn=ends_with_this_process())))
+    worker.start()
+    worker.join()
+    [child] = started
+    try:
+        time.sleep(0.5)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_cubeserve_serve_runs_supervised_and_a_stop_ends_every_process(repo, tmp_path, stop):
+    """`cubeserve serve` (`make serve`): tritonserver under the supervisor. SIGTERM to the command
+    (a process manager, `kill`) passes down the tree; SIGKILL (no cleanup runs) reaches it too, by
+    the parent-death signal (cubeserve/lifetime.py). No process is left behind, the port is free."""
     http = free_port()
     command = [str(Path(sys.executable).parent / "cubeserve"), "serve", "--model-repository", str(repo),
                "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
@@ -545,10 +570,13 @@ def test_cubeserve_serve_runs_supervised_and_sigterm_stops_every_process(repo, t
         names = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:3] for pid in tree]
         assert any(b"cubeserve.serving.supervisor" in n for args in names for n in args)
         assert any(args[0].endswith(b"tritonserver") for args in names)
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(90) == 0
-        wait_for(lambda: not [pid for pid in tree if os.path.exists(f"/proc/{pid}")], timeout=30)
+        serve.send_signal(stop)
+        assert serve.wait(90) == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
+        wait_for(lambda: all(_gone(pid) for pid in tree), timeout=60)
+        with socket.socket() as s:  # nothing listens on the REST port
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", http))
     finally:
         if serve.poll() is None:
-            serve.terminate()  # SIGKILL would leave the server behind
+            serve.terminate()
             serve.wait(90)

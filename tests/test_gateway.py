@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -163,10 +164,12 @@ def test_example_file_renders_to_a_config_envoy_accepts_and_keys_stay_private(tm
         gateway_config.parse({"backends": ["127.0.0.1:1"], "tenants": [tenant("team-a")], "colour": 1})
 
 
-def test_the_command_runs_envoy_with_the_example_keys_and_stops_it(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_the_command_runs_envoy_with_the_example_keys_and_stops_it(tmp_path, stop):
     """`cubeserve gateway --config` (what `make gateway` runs) on the example files, its ports
-    moved to free ones and its backend a stub: it serves the example key, and SIGTERM stops
-    Envoy with it."""
+    moved to free ones and its backend a stub: it serves the example key, and Envoy stops with
+    the command, even one killed with no chance to clean up (cubeserve/lifetime.py), leaving no
+    key on disk and the port free."""
     backend = Stub(tmp_path, "b1")
     doc = yaml.safe_load((REPO / "examples" / "gateway.yaml").read_text())
     port = free_port()
@@ -182,19 +185,26 @@ def test_the_command_runs_envoy_with_the_example_keys_and_stops_it(tmp_path):
     try:
         line = process.stdout.readline()  # printed once Envoy is ready
         assert f"gateway on http://127.0.0.1:{port}" in line and key not in line
-        assert any(p.name.startswith("cubeserve-gateway-") for p in private.iterdir())
+        [workdir] = [p for p in private.iterdir() if p.name.startswith("cubeserve-gateway-")]
+        assert not (workdir / "envoy.json").exists()  # read by Envoy, then removed
         envoy_pid = int(re.search(r"Envoy pid (\d+)", line).group(1))
         gateway = Gateway(gateway_config.load(tmp_path / "gateway.yaml"), tmp_path / "unused")  # its URL only
         wait_until(lambda: call(gateway, key=key)[0] == 200, 30, "the example key served")
         assert backend.requests()[-1]["headers"][TENANT_KEY] == "team-a"
     finally:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(stop)
         process.wait(30)
         backend.kill()
-    assert process.returncode == 0
-    assert list(private.iterdir()) == []  # the rendered file is gone with it
+    assert process.returncode == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
     wait_until(lambda: not Path(f"/proc/{envoy_pid}").exists() or
                Path(f"/proc/{envoy_pid}/stat").read_text().split()[2] == "Z", 10, "Envoy stopped")
+    if stop == signal.SIGTERM:
+        assert list(private.iterdir()) == []  # its folder is gone with it
+    left = [p for p in private.rglob("*") if p.is_file()]
+    assert not any(key.encode() in p.read_bytes() for p in left), left
+    with socket.socket() as s:  # nothing listens on the port (connections in TIME_WAIT may stay)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
 
 
 def test_an_object_costs_its_configs_shape_tokens():

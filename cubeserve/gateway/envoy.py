@@ -40,6 +40,7 @@ from pathlib import Path
 
 from cubeserve import deploy
 from cubeserve.gateway.config import GatewayConfig
+from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.experiment import TENANT_KEY
 
 API_KEY_HEADER = "authorization"
@@ -287,7 +288,7 @@ class Gateway:
                 [envoy_binary(), "-c", str(path), "--concurrency", str(self.concurrency),
                  "--disable-hot-restart",  # several Envoys on one machine (no shared memory between them)
                  "--admin-address-path", str(address_file), "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=ends_with_this_process())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -295,6 +296,7 @@ class Gateway:
             if address_file.exists() and address_file.read_text().strip():
                 self.admin_url = "http://" + address_file.read_text().strip()
                 if self._get("/ready") == "LIVE":
+                    path.unlink()  # Envoy has read it: the keys stay on disk no longer than needed
                     return self
             time.sleep(0.05)
         raise RuntimeError(f"envoy was not ready within {timeout:.0f} s:\n" + self.log_tail())

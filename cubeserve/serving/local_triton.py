@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from cubeserve import deploy
+from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.stubs import children, process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -162,7 +163,8 @@ class LocalTriton:
         else:
             out = None if self.verbose else subprocess.DEVNULL
         self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=out,
-                                        stderr=subprocess.STDOUT if out is not None else None)
+                                        stderr=subprocess.STDOUT if out is not None else None,
+                                        preexec_fn=ends_with_this_process())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -62,6 +62,7 @@ import urllib.error
 import urllib.request
 
 from cubeserve import deploy
+from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.drain import clear_markers, in_progress, is_draining
 from cubeserve.serving.front import FrontEnd
 from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
@@ -182,7 +183,7 @@ class Supervisor:
         backoff = 0.0
         while True:
             started = time.monotonic()
-            self.child = subprocess.Popen(self.command, env=self.env)
+            self.child = subprocess.Popen(self.command, env=self.env, preexec_fn=ends_with_this_process())
             code, fault = self._watch()
             clear_markers(self.child.pid)
             if kill_leftover_stubs(self.stubs):
