@@ -63,23 +63,29 @@ def cmd_generate(args) -> int:
 
 def cmd_batch(args) -> int:
     """A prompts file through the Ray Data pipeline (cubeserve/batch/); exit 3 when a row failed."""
-    from cubeserve import storage
     from cubeserve.batch import rows
     from cubeserve.batch.run import Settings, run
-    from cubeserve.deploy import STREAM_MODEL
+    from cubeserve.engine.fast_paths import check_recipe
+    from cubeserve.serving.repository import stored_version
 
     if (args.weights is None) == (args.version is None):
         raise ValueError("give either --weights DIR or --version N (with --model-store)")
-    weights = args.weights
+    weights, quantization = args.weights, args.quantization or "none"
     if args.version is not None:
         if not args.model_store:
             raise ValueError("--version N takes the weights from the model store: give --model-store URI")
-        # Version N's weights, as the pipeline packaged them (cubeserve.pipeline.steps.package).
-        weights = storage.join(args.model_store, str(args.version), STREAM_MODEL, str(args.version), "weights") + "/"
+        # Version N as the pipeline packaged it (cubeserve.pipeline.steps.package), quantized as
+        # it is served.
+        weights, packaged = stored_version(args.model_store, args.version)
+        quantization = packaged.get("quantization", "none")
+        if args.quantization not in (None, quantization):
+            raise ValueError(f"--quantization {args.quantization}: version {args.version} is packaged as "
+                             f"{quantization}; leave --quantization out to decode it as it is served")
+        check_recipe(quantization, packaged.get("quantization_recipe"))
     defaults = rows.Defaults(seed=args.seed, guidance=args.guidance, top_p=args.top_p,
                              temperature=args.temperature, resolution=args.resolution, format=args.format)
     settings = Settings(weights=weights, out=args.out, device=args.device, dtype=args.compute_dtype,
-                        quantization=args.quantization,
+                        quantization=quantization,
                         decode_actors=args.decode_actors, decode_cpus=args.decode_cpus,
                         geometry_actors=args.geometry_actors, max_objects=args.max_objects,
                         batch_size=args.batch_size, preview=args.preview, retry_failed=args.retry_failed,
@@ -314,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto", help="the decode actors' device: cpu, cuda or auto")
     b.add_argument("--dtype", dest="compute_dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere")
-    b.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
-                   help="the GPT's weights as int8, int4 or fp8 (as generate)")
+    b.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="the GPT's weights as int8, int4 or fp8 (as generate); with --version, the "
+                        "version's own")
     b.add_argument("--decode-actors", type=int, default=1, help="engines (one GPU each on CUDA)")
     b.add_argument("--decode-cpus", type=int, default=1, help="CPU threads per decode actor (CPU decoding)")
     b.add_argument("--geometry-actors", type=int, default=1, help="most CPU actors for marching cubes")

@@ -304,6 +304,43 @@ def test_the_object_store_holds_the_prompts_the_weights_by_version_and_the_outpu
     assert storage.exists("s3://batch/out/q0.glb")
 
 
+def test_a_version_is_batch_decoded_quantized_as_it_is_served(tmp_path, monkeypatch, capsys):
+    """`--version N` of a version packaged int8 decodes int8 (its own version.json, as the server
+    reads it), not the unquantized default; another --quantization, or a version packaged with
+    another recipe of int8, is refused by name. Ray is not needed to tell: the pipeline's
+    settings are caught where `run` would take them."""
+    from cubeserve import cli
+    from cubeserve.batch import run as run_mod
+    from cubeserve.serving.repository import VERSION_SETTINGS, build_version_repository
+
+    store = tmp_path / "store"
+    build_version_repository(DEMO_MODEL, 4, store / "4", "cpu", quantization="int8")
+    build_version_repository(DEMO_MODEL, 5, store / "5", "cpu")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a cup"}])
+    seen = []
+
+    class Done:
+        failed, text = 0, staticmethod(lambda: "done")
+
+    monkeypatch.setattr(run_mod, "run", lambda path, settings, progress: seen.append(settings) or Done())
+
+    def batch(version, *more):
+        return cli.main(["batch", str(prompts), "--version", str(version), "--model-store", str(store),
+                         "--out", str(tmp_path / "out"), *more])
+
+    assert batch(4) == 0 and batch(5) == 0
+    assert [(s.quantization, s.weights) for s in seen] == [
+        ("int8", f"{store}/4/cube3d_stream/4/weights/"), ("none", f"{store}/5/cube3d_stream/5/weights/")]
+    capsys.readouterr()
+    assert batch(4, "--quantization", "int4") == 2
+    assert "--quantization int4: version 4 is packaged as int8" in capsys.readouterr().err
+    (store / "4" / "cube3d_stream" / "4" / VERSION_SETTINGS).write_text(
+        json.dumps({"quantization": "int8", "quantization_recipe": "r0 int8 per tensor"}))
+    assert batch(4) == 2
+    assert "quantization_recipe: this version was packaged with int8 as 'r0 int8 per tensor'" in capsys.readouterr().err
+    assert len(seen) == 2
+
+
 def test_a_batch_repeated_by_a_retry_is_recorded_once_and_a_lost_row_is_an_error(tmp_path, monkeypatch):
     """The driver's side of exactly-once, without Ray: records of a batch that comes back twice
     (a task retried after its outputs were taken) are dropped, and a row that never comes back

@@ -3,6 +3,7 @@ numerics harness that holds both to the float32 oracle (cubeserve/numerics.py)."
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -274,38 +275,67 @@ def test_the_engine_decides_its_dtype_once_at_load_and_says_why(tiny_weights, mo
     assert Engine.from_dir(tiny_weights, dtype="float32").dtype == torch.float32  # asked for: kept
 
 
-def test_a_quantized_checkpoint_version_is_served_as_its_engine_computes_it(tmp_path):
-    """A version repository built with quantization int8 (the pipeline's packaging) served by
-    the real tritonserver: the engine loads the checkpoint's safetensors quantized, says so, and
-    answers with the in-process int8 engine's tokens."""
+def test_quantized_and_plain_versions_in_one_server_each_decode_as_packaged(tmp_path):
+    """Versions 4 (plain) and 5 (int8) as the pipeline packages them, served together as a version
+    set (an in-server A/B of a quantized challenger against its champion) by the real
+    tritonserver: each version's engine quantizes as that version says (its own
+    VERSION_SETTINGS: a model's config.pbtxt is one for all its versions) and answers with the
+    in-process engine's tokens. A version packaged with another recipe of int8 is refused by
+    name instead of served with numerics nobody gated."""
     from cube3d_client import Cube3DClient
+    from cubeserve.engine.fast_paths import recipe
+    from cubeserve.rollout.version_sets import build_version_set
     from cubeserve.serving.local_triton import LocalTriton, free_port
-    from cubeserve.serving.repository import build_version_repository
+    from cubeserve.serving.repository import VERSION_SETTINGS, build_version_repository, version_settings
 
-    repo = build_version_repository(DEMO_MODEL, 4, tmp_path / "repo", "cpu", quantization="int8")
-    assert '{ key: "quantization" value: { string_value: "int8" } }' in (repo / "cube3d_stream/config.pbtxt").read_text()
+    plain = build_version_repository(DEMO_MODEL, 4, tmp_path / "4", "cpu")
+    int8 = build_version_repository(DEMO_MODEL, 5, tmp_path / "5", "cpu", quantization="int8")
+    assert version_settings(int8 / "cube3d_stream" / "5") == {"quantization": "int8",
+                                                             "quantization_recipe": recipe("int8")}
     with pytest.raises(ValueError,
                        match=r"quantization: must be one of \['none', 'int8', 'int4', 'fp8'\], got 'fp4'"):
         build_version_repository(DEMO_MODEL, 4, tmp_path / "other", "cpu", quantization="fp4")
+    both = build_version_set({4: plain, 5: int8}, tmp_path / "set")
     log = tmp_path / "tritonserver.log"
-    with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log) as server:
-        with Cube3DClient(server.http_url, "http", model_version="4") as client:
-            result = client.generate("a big hoop", resolution=4)
-    assert "weights int8" in log.read_text()
-    engine = Engine.from_dir(DEMO_MODEL, quantization="int8")
-    want = engine.generate_tokens(numerics.requests_for(["a big hoop"]))[0]
-    assert list(result.tokens) == want.tolist() and result.num_faces > 0
+    tokens = {}
+    with LocalTriton(both, free_port(), free_port(), free_port(), log_path=log) as server:
+        for version in ("4", "5"):
+            with Cube3DClient(server.http_url, "http", model_version=version) as client:
+                tokens[version] = list(client.generate("a big hoop", resolution=4).tokens)
+    ready = [line for line in log.read_text().splitlines() if "cube3d engine ready" in line]
+    assert any("/cube3d_stream/4/weights" in line and "weights none" in line for line in ready), ready
+    assert any("/cube3d_stream/5/weights" in line and "weights int8" in line for line in ready), ready
+    for version, quantization in (("4", "none"), ("5", "int8")):
+        engine = Engine.from_dir(DEMO_MODEL, quantization=quantization)
+        assert tokens[version] == engine.generate_tokens(numerics.requests_for(["a big hoop"]))[0].tolist()
+
+    settings = int8 / "cube3d_stream" / "5" / VERSION_SETTINGS
+    settings.write_text(json.dumps({"quantization": "int8", "quantization_recipe": "r0 int8 per tensor"}))
+    log = tmp_path / "refused.log"
+    with pytest.raises(RuntimeError):
+        LocalTriton(int8, free_port(), free_port(), free_port(), log_path=log).start(timeout=120)
+    assert "quantization_recipe: this version was packaged with int8 as 'r0 int8 per tensor'" in log.read_text()
 
 
-def test_a_quantized_checkpoint_is_a_version_of_its_own_in_the_pipeline():
+def test_a_quantized_checkpoint_is_a_version_of_its_own_in_the_pipeline(monkeypatch):
     """The pipeline's identity of what is served: the same files quantized get another digest
-    (registered, packaged and rolled out on their own); unquantized keeps the files' digest."""
-    from cubeserve.pipeline.steps import checkpoint_digest, validate_checkpoint
+    (registered, packaged and rolled out on their own), and quantized by another recipe another
+    again (int8 before `lm_head` was kept decodes differently); unquantized keeps the files'
+    digest. A validation from another recipe is not packaged."""
+    from cubeserve.pipeline.steps import checkpoint_digest, package, validate_checkpoint
 
     plain, int8 = validate_checkpoint(str(DEMO_MODEL)), validate_checkpoint(str(DEMO_MODEL), "int8")
     assert plain["sha256"] == plain["checkpoint_sha256"] == checkpoint_digest(plain["files_sha256"])
     assert int8["checkpoint_sha256"] == plain["sha256"] != int8["sha256"]
     assert (int8["quantization"], plain["quantization"]) == ("int8", "none")
+    assert int8["quantization_recipe"] == fast_paths.recipe("int8") and plain["quantization_recipe"] == ""
+    monkeypatch.setattr(fast_paths, "KEEP_LOGITS", frozenset())  # the int8 recipe of an earlier image
+    older = validate_checkpoint(str(DEMO_MODEL), "int8")
+    assert older["quantization_recipe"] != int8["quantization_recipe"] and older["sha256"] != int8["sha256"]
+    assert validate_checkpoint(str(DEMO_MODEL))["sha256"] == plain["sha256"]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="quantization_recipe: this version was packaged with int8"):
+        package(str(DEMO_MODEL), "file:///nowhere/store", older, "cpu")
     with pytest.raises(ValueError, match="quantization must be one of none, int8, int4, fp8, got 'int2'"):
         validate_checkpoint("s3://nowhere/checkpoint", "int2")
 

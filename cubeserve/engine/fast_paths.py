@@ -159,6 +159,7 @@ def stream(module: nn.Module, packed: set[int] = frozenset()) -> None:
 # The quantized kernels' activations: their float32 paths are 10-40x slower than bf16 on the CPU
 # (measured at decode sizes), and tinygemm's CUDA kernel takes bf16 only.
 ACTIVATION_DTYPE = torch.bfloat16
+ACTIVATION_DTYPE_NAME = str(ACTIVATION_DTYPE).removeprefix("torch.")
 INT4_GROUP_SIZES = (128, 64, 32)  # per layer, the largest that divides its inputs
 INT4_ROWS = 16  # tinygemm packs outputs in tiles of 16 rows (CPU) or 8 (CUDA): pad to 16
 # The quantizations that leave `lm_head` (the logits' own product) in the compute dtype. Its
@@ -167,6 +168,33 @@ INT4_ROWS = 16  # tinygemm packs outputs in tiles of 16 rows (CPU) or 8 (CUDA): 
 # weights there (under 3 % of those a v0.1 step reads). int4's and fp8's error is in the blocks:
 # keeping their `lm_head` changed nothing measurable, so they take its bytes and speed.
 KEEP_LOGITS = frozenset({"int8"})
+
+
+def recipe(quantization: str) -> str:
+    """What `quantization` does to the weights, in words: part of a quantized version's identity
+    (pipeline/steps.py `served_digest`) and recorded with it (serving/repository.py
+    `VERSION_SETTINGS`), so a server whose recipe differs refuses the version (`check_recipe`)
+    instead of serving numerics nobody gated. Every choice that changes the numbers must show
+    here (the condition projections are kept by the Engine): a change to how a kind rounds that
+    leaves these words alone gets a new revision (`r1` -> `r2`)."""
+    kept = "condition projections" + (", lm_head" if quantization in KEEP_LOGITS else "")
+    return {
+        "none": "",
+        "int8": f"r1 int8 symmetric per output channel, {ACTIVATION_DTYPE_NAME} activations; kept: {kept}",
+        "int4": f"r1 int4 asymmetric in groups of the first of {'/'.join(map(str, INT4_GROUP_SIZES))} dividing "
+                f"the inputs, {ACTIVATION_DTYPE_NAME} activations; kept: {kept}",
+        "fp8": f"r1 fp8 e4m3 symmetric per output row, activations per token; kept: {kept}",
+    }[quantization]
+
+
+def check_recipe(quantization: str, recorded: str | None) -> None:
+    """ValueError when a version recorded with another recipe of `quantization` than this code's
+    (an older or newer image): its numerics gate passed on other numbers. None or "": not recorded
+    (a version packaged before recipes were, a repository written by hand), nothing to check."""
+    if recorded and recorded != recipe(quantization):
+        raise ValueError(f"quantization_recipe: this version was packaged with {quantization} as "
+                         f"{recorded!r}; this server quantizes {quantization} as {recipe(quantization)!r}. "
+                         f"Package the checkpoint again with this image (the pipeline gates it anew).")
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,8 @@ def validate_checkpoint(checkpoint: str, quantization: str = "none") -> dict:
 
     Raises CheckpointError naming the file for a pickle (by suffix or content), a truncated
     file, unexpected files, or weights that do not match the config (e.g. v0.5 with v0.1)."""
+    from cubeserve.engine.fast_paths import recipe
+
     if quantization not in QUANTIZATIONS:  # before anything is downloaded
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     root = Path(fetch_checkpoint(checkpoint))
@@ -119,16 +121,22 @@ def validate_checkpoint(checkpoint: str, quantization: str = "none") -> dict:
         "files_sha256": file_sha256,
         "checkpoint_sha256": checkpoint_digest(file_sha256),
         "quantization": quantization,
+        "quantization_recipe": recipe(quantization),
         "sha256": served_digest(checkpoint_digest(file_sha256), quantization),
     }
 
 
 def served_digest(checkpoint_sha256: str, quantization: str) -> str:
     """The identity of what is served: the checkpoint's digest, or with a quantization a digest
-    of both (so an unquantized checkpoint keeps the digest it was always registered under)."""
+    of it, the quantization and its recipe (`fast_paths.recipe`: the same files quantized another
+    way are another model; an unquantized checkpoint keeps the digest it was always registered
+    under)."""
+    from cubeserve.engine.fast_paths import recipe
+
     if quantization == "none":
         return checkpoint_sha256
-    return hashlib.sha256(f"{checkpoint_sha256} quantization={quantization}\n".encode()).hexdigest()
+    return hashlib.sha256(f"{checkpoint_sha256} quantization={quantization} recipe={recipe(quantization)}\n"
+                          .encode()).hexdigest()
 
 
 # -- 2. evaluate -------------------------------------------------------------------------------
@@ -328,6 +336,7 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
     import tempfile
 
     from cubeserve import storage
+    from cubeserve.engine.fast_paths import check_recipe
     from cubeserve.pipeline.leases import claim_version
     from cubeserve.serving.repository import INSTANCE_KINDS, build_version_repository
 
@@ -335,6 +344,8 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
         raise ValueError(f"instance_kind must be one of {', '.join(INSTANCE_KINDS)}, got {instance_kind!r}")
     validation = _integral(validation)
     quantization = validation.get("quantization", "none")  # part of validation["sha256"]
+    # The validation may come from another image (a cached step): its digest named its recipe.
+    check_recipe(quantization, validation.get("quantization_recipe"))
     existing = store_versions(model_store)
     for version, manifest in existing.items():
         if manifest.get("sha256") == validation["sha256"] and manifest.get("instance_kind") == instance_kind:
@@ -353,7 +364,7 @@ def package(checkpoint: str, model_store: str, validation: dict, instance_kind: 
     storage.write_text(manifest_uri(model_store, version), json.dumps({
         "version": version, "sha256": validation["sha256"], "instance_kind": instance_kind,
         "config_name": validation["config_name"], "files_sha256": validation["files_sha256"],
-        "quantization": quantization,
+        "quantization": quantization, "quantization_recipe": validation.get("quantization_recipe", ""),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2, sort_keys=True))
     return version
 
@@ -396,6 +407,8 @@ def register(registry_uri: str, model_name: str, model_store: str, triton_versio
             "config_name": validation["config_name"],
             "checkpoint_version": validation["version"],
             "quantization": validation.get("quantization", "none"),
+            **({"quantization_recipe": validation["quantization_recipe"]}
+               if validation.get("quantization_recipe") else {}),
             "metrics": json.dumps(metrics, sort_keys=True),
             **{f"metric.{k}": f"{v:.6g}" for k, v in metrics.items()},
             "source_uri": source_uri,

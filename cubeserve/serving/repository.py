@@ -14,6 +14,7 @@ the MODEL_VERSION output of every response say which checkpoint served it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -38,14 +39,35 @@ def template_repository() -> Path:
     return MODEL_REPOSITORY if MODEL_REPOSITORY.is_dir() else Path(IMAGE_MODEL_REPOSITORY)
 
 
-def _config_with_instance_group(config: Path, group: str, quantization: str | None = None) -> str:
+def _config_with_instance_group(config: Path, group: str) -> str:
     text = config.read_text()
     text, count = _INSTANCE_GROUP.subn(group, text)
     if count != 1:
         raise ValueError(f"{config}: expected one single-line `instance_group [ ... ]`, found {count}")
-    if quantization is not None:
-        text = with_string_parameters(text, {"quantization": quantization}, config)
     return text
+
+
+# A packaged version's own engine settings, in its version directory (`cube3d_stream/<V>/`): a
+# model's config.pbtxt parameters hold for all its versions, and a version set (several
+# versions in one repository, rollout/version_sets.py) keeps one config, so what differs by
+# version (its quantization) cannot live there.
+VERSION_SETTINGS = "version.json"
+
+
+def version_settings(version_dir: str | Path) -> dict:
+    """The settings packaged with a version ({} for a version packaged without them)."""
+    path = Path(version_dir) / VERSION_SETTINGS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def stored_version(model_store: str, version: int) -> tuple[str, dict]:
+    """Version N of a model store as the pipeline packaged it (`<model_store>/<N>/`, a model
+    repository): the URI of its weights and its settings, read where they are."""
+    from cubeserve import storage
+
+    folder = storage.join(model_store, str(version), STREAM_MODEL, str(version))
+    text = storage.read_text(storage.join(folder, VERSION_SETTINGS))
+    return storage.join(folder, "weights") + "/", json.loads(text) if text else {}
 
 
 def with_string_parameters(text: str, parameters: dict, where: Path) -> str:
@@ -67,7 +89,7 @@ def build_version_repository(weights_dir: str | Path, version: int, target_dir: 
     and imports no torch, so it needs no GPU). "cpu": both KIND_CPU (the engine on the config's
     `device`, cpu). `quantization` (none | int8 | int4 | fp8): the engine quantizes the GPT's weights
     at load (the weights stay the checkpoint's safetensors), so a quantized version is one more
-    checkpoint version. The model code and configs come from template_repository().
+    checkpoint version; it and its recipe are the version's own (`VERSION_SETTINGS`). The model code and configs come from template_repository().
 
     Assembled in a hidden staging directory beside `target_dir` and renamed into place, so no
     reader sees half a repository. Zero-byte files are refused by name: KServe's storage
@@ -76,6 +98,8 @@ def build_version_repository(weights_dir: str | Path, version: int, target_dir: 
         raise ValueError(f"version: must be an integer >= 1 (a Triton model version), got {version!r}")
     if instance_kind not in INSTANCE_KINDS:
         raise ValueError(f"instance_kind: must be one of {list(INSTANCE_KINDS)}, got {instance_kind!r}")
+    from cubeserve.engine.fast_paths import recipe  # torch: only where a version is packaged
+
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization: must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     weights, target = Path(weights_dir), Path(target_dir)
@@ -97,10 +121,11 @@ def build_version_repository(weights_dir: str | Path, version: int, target_dir: 
             version_dir = staging / model / str(version)
             version_dir.mkdir(parents=True)
             (staging / model / "config.pbtxt").write_text(
-                _config_with_instance_group(template / model / "config.pbtxt", groups[model],
-                                            quantization if model == STREAM_MODEL else None))
+                _config_with_instance_group(template / model / "config.pbtxt", groups[model]))
             shutil.copy2(template / model / "1" / "model.py", version_dir / "model.py")
         shutil.copytree(weights, staging / STREAM_MODEL / str(version) / "weights")
+        (staging / STREAM_MODEL / str(version) / VERSION_SETTINGS).write_text(json.dumps(
+            {"quantization": quantization, "quantization_recipe": recipe(quantization)}, indent=1) + "\n")
         os.rename(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

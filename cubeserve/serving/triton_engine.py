@@ -28,12 +28,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cubeserve.engine.engine import Engine
+from cubeserve.engine.fast_paths import check_recipe
 from cubeserve.engine.scheduler import EngineStats, Scheduler
 from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol
 from cubeserve.serving.cpu_share import engine_processes
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
+from cubeserve.serving.repository import version_settings
 from cubeserve.serving.stubs import end_this_process_after
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
 from cubeserve.serving.triton_metrics import Measurements, kept, locked
@@ -131,7 +133,9 @@ class EngineModel:
     directory; default "weights"), config (preset or YAML; default: the YAML beside the
     weights), device (for KIND_CPU: cpu; KIND_GPU instances use their own GPU), dtype
     (default: `engine.default_dtype`: bfloat16 on GPU and on CPUs with native bf16, else
-    float32), quantization (none | int8 | int4 | fp8: `fast_paths.quantize`), max_objects (objects in flight, default 8),
+    float32), quantization (none | int8 | int4 | fp8: `fast_paths.quantize`; a packaged version's
+    own `repository.VERSION_SETTINGS` say it instead, with the recipe `fast_paths.check_recipe`
+    holds this code to), max_objects (objects in flight, default 8),
     max_queue (requests that may wait beyond those in flight; more are refused as busy;
     default 8 x max_objects), single_block (reference | causal), cuda_graphs (auto | true |
     false; auto = on CUDA).
@@ -149,8 +153,13 @@ class EngineModel:
         # The engines of this pod (instances x loaded versions) divide its CPU quota
         # (serving/cpu_share.py); $OMP_NUM_THREADS, when set, overrides for each of them.
         engines = engine_processes(json.loads(args["model_config"]), args["model_repository"])
+        # A packaged version says how it is quantized (and how that was done when it was gated);
+        # the config's parameter is for a repository written by hand.
+        settings = version_settings(version_dir)
+        quantization = settings.get("quantization") or params.get("quantization") or "none"
+        check_recipe(quantization, settings.get("quantization_recipe"))
         engine = Engine.from_dir(weights, device=device, dtype=params.get("dtype") or None,
-                                 quantization=params.get("quantization") or "none",
+                                 quantization=quantization,
                                  single_block_mode=params.get("single_block") or "reference",
                                  config=params.get("config") or None, engines_sharing_cpu=engines)
         self.uses_bbox = engine.cfg.gpt.use_bbox
