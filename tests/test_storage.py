@@ -270,10 +270,10 @@ def test_version_repository_layout_and_instance_kinds(tmp_path):
     cpu = build_version_repository(DEMO_MODEL, 3, tmp_path / "cpu", "cpu")
     files = tree(cpu)
     assert {"cube3d/config.pbtxt", "cube3d/3/model.py", "cube3d_stream/config.pbtxt",
-            "cube3d_stream/3/model.py"} <= files.keys()
+            "cube3d_stream/3/model.py", "cube3d_stream/3/version.json"} <= files.keys()
     weights = {k.removeprefix("cube3d_stream/3/weights/"): v for k, v in files.items() if "/weights/" in k}
     assert weights == tree(DEMO_MODEL)
-    assert len(files) == 4 + len(weights)  # nothing else: no __pycache__, no version 1
+    assert len(files) == 5 + len(weights)  # nothing else: no __pycache__, no version 1
     for model in ("cube3d", "cube3d_stream"):
         assert "instance_group [ { count: 1 kind: KIND_CPU } ]" in (cpu / model / "config.pbtxt").read_text()
     gpu = build_version_repository(DEMO_MODEL, 3, tmp_path / "gpu", "gpu")
