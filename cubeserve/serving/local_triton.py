@@ -176,8 +176,13 @@ class LocalTriton:
         raise RuntimeError(f"tritonserver was not ready within {timeout:.0f} s" + self._log_tail())
 
     def ready(self) -> bool:
+        """Ready, and its metrics answer: the metrics port can open after the REST one (a test
+        reading metrics right after start found it closed, once in CI)."""
         try:
             with urllib.request.urlopen(f"http://{self.http_url}{deploy.READY_PATH}", timeout=2) as r:
+                if r.status != 200:
+                    return False
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, ConnectionError, OSError):
             return False
