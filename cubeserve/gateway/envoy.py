@@ -288,7 +288,8 @@ class Gateway:
                 [envoy_binary(), "-c", str(path), "--concurrency", str(self.concurrency),
                  "--disable-hot-restart",  # several Envoys on one machine (no shared memory between them)
                  "--admin-address-path", str(address_file), "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=ends_with_this_process())
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=ends_with_this_process())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
