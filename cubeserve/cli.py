@@ -130,20 +130,15 @@ def cmd_serve(args) -> int:
     repo = Path(args.model_repository) if args.model_repository else MODEL_REPOSITORY
     ensure_demo_weights(repo)
     # Supervised: a python backend stub that dies (e.g. killed for memory) restarts the server.
-    server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True, supervised=True)
     # The admin APIs' key (README, "Security"): $CUBE3D_ADMIN_KEY, else a new one for this start,
-    # written where only this user can read it.
+    # which the supervisor writes where only this user can read it, for as long as the server runs.
     key_file = Path(tempfile.gettempdir()) / f"cubeserve-admin-key-{args.http_port}"
-    key_file.unlink(missing_ok=True)
-    key_file.touch(mode=0o600)
-    key_file.write_text(server.admin_key + "\n")
+    server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True, supervised=True,
+                         admin_key_file=key_file)
     server.start(timeout=args.timeout)
-    try:
-        _wait_then_stop(server, f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
-                                f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
-                                f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it")
-    finally:
-        key_file.unlink(missing_ok=True)
+    _wait_then_stop(server, f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
+                            f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
+                            f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it")
     return 0
 
 

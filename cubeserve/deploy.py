@@ -15,9 +15,11 @@ import secrets
 HTTP_PORT = 8000  # REST: the KServe predict API (Open Inference Protocol v2) and generate_stream
 GRPC_PORT = 8001  # gRPC: ModelInfer and the decoupled stream
 METRICS_PORT = 8002  # Prometheus text format
-# tritonserver's own REST endpoint, on the loopback only: clients reach HTTP_PORT, where the
-# supervisor's front end (serving/front.py) checks every request and forwards it here.
+# tritonserver's own REST and gRPC endpoints, on the loopback only: clients reach HTTP_PORT and
+# GRPC_PORT, where the supervisor's front ends (serving/front.py, serving/grpc_front.py) check
+# every request and forward it here.
 TRITON_HTTP_PORT = 8010
+TRITON_GRPC_PORT = 8011
 
 READY_PATH = "/v2/health/ready"  # 200 once every model in the repository is loaded
 LIVE_PATH = "/v2/health/live"  # 200 while the server process is healthy
@@ -108,16 +110,17 @@ COMMON_FLAGS = ("--disable-auto-complete-config", f"--exit-timeout-secs={EXIT_TI
 def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     """The server's arguments in a container (after the `tritonserver` executable).
 
-    REST listens on the pod's loopback only (the supervisor's front end is HTTP_PORT); gRPC and
-    metrics on all interfaces of the pod (Triton's default address); the ports are written out,
-    because the probes, the Service and the Prometheus annotations name them. The restricted APIs'
-    flags are added by the supervisor, which holds the key (never in a manifest).
+    REST and gRPC listen on the pod's loopback only (the supervisor's front ends are HTTP_PORT and
+    GRPC_PORT); metrics on all interfaces of the pod (Triton's default address); the ports are
+    written out, because the probes, the Service and the Prometheus annotations name them. The
+    restricted APIs' flags are added by the supervisor, with a key of its own (never in a manifest).
     """
     return [
         f"--model-store={model_repository}",
         "--http-address=127.0.0.1",
         f"--http-port={TRITON_HTTP_PORT}",
-        f"--grpc-port={GRPC_PORT}",
+        "--grpc-address=127.0.0.1",
+        f"--grpc-port={TRITON_GRPC_PORT}",
         f"--metrics-port={METRICS_PORT}",
         "--allow-http=true",
         "--allow-grpc=true",
@@ -127,12 +130,13 @@ def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
 
 
 # tritonserver runs under cubeserve's supervisor (cubeserve/serving/supervisor.py): it serves the
-# REST front end on HTTP_PORT (all interfaces of the pod), locks the admin APIs with the key of
-# ADMIN_KEY_ENV, and when a python backend stub dies (Triton keeps answering ready while the model
+# REST and gRPC front ends on HTTP_PORT and GRPC_PORT (all interfaces of the pod), opens the admin
+# APIs with the key of ADMIN_KEY_ENV, and when a python backend stub dies (Triton keeps answering ready while the model
 # fails every request) it stops the server (readiness fails at once) and exits, and the kubelet
 # restarts the container.
 SUPERVISOR = ["python3", "-m", "cubeserve.serving.supervisor", "--on-fault", "exit",
-              "--rest-address=0.0.0.0", f"--rest-port={HTTP_PORT}", "--"]
+              "--rest-address=0.0.0.0", f"--rest-port={HTTP_PORT}",
+              "--grpc-address=0.0.0.0", f"--grpc-port={GRPC_PORT}", "--"]
 
 
 def server_command(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:

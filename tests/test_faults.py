@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -475,7 +476,10 @@ def test_an_engine_process_stuck_on_its_way_out_ends(stuck):
 @pytest.mark.parametrize("on_fault", ["restart", "exit"])
 def test_a_crashed_tritonserver_is_started_again_or_the_container_exits(repo, tmp_path, on_fault):
     """tritonserver aborting by itself after it started (as it does when a stub dies holding a
-    shared-memory mutex) is a fault like a dead stub: restarted locally, an exit in a container."""
+    shared-memory mutex) is a fault like a dead stub: restarted locally, an exit in a container.
+    The crashed server's shared memory (which Triton removes only in its own shutdown) does not
+    stay behind in /dev/shm."""
+    from cubeserve.serving.stubs import python_stubs, shm_regions
     from cubeserve.serving.supervisor import FAULT_EXIT_CODE
 
     triton = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "log", supervised=True,
@@ -483,12 +487,17 @@ def test_a_crashed_tritonserver_is_started_again_or_the_container_exits(repo, tm
     with triton:
         first = tritonserver_pid(triton)
         wait_for(lambda: logged_since(triton, 0, TRITON_UP), timeout=10)  # before: a failed start, not restarted
+        regions = shm_regions(python_stubs(first))
+        assert len(regions) == 2 and all(Path("/dev/shm", r).exists() for r in regions)
+        time.sleep(2)  # the supervisor has seen the stubs
         os.kill(first, signal.SIGABRT)
         if on_fault == "exit":
             assert triton.process.wait(60) == FAULT_EXIT_CODE
+            assert not [r for r in regions if Path("/dev/shm", r).exists()]
             return
         wait_for(lambda: ready(triton) and tritonserver_pid(triton) != first, timeout=120)
         assert "signal 6" in triton.log_path.read_text(errors="replace")
+        assert not [r for r in regions if Path("/dev/shm", r).exists()]
         code, reply = post(triton, body("after the crash"))
         assert code == 200, reply
 
@@ -557,7 +566,8 @@ def test_a_child_started_by_a_worker_thread_outlives_that_thread():
 def test_cubeserve_serve_runs_supervised_and_a_stop_ends_every_process(repo, tmp_path, stop):
     """`cubeserve serve` (`make serve`): tritonserver under the supervisor. SIGTERM to the command
     (a process manager, `kill`) passes down the tree; SIGKILL (no cleanup runs) reaches it too, by
-    the parent-death signal (cubeserve/lifetime.py). No process is left behind, the port is free."""
+    the parent-death signal (cubeserve/lifetime.py). No process is left behind, the port is free,
+    and nothing on disk: neither the admin key's file nor the python backend's shared memory."""
     http = free_port()
     command = [str(Path(sys.executable).parent / "cubeserve"), "serve", "--model-repository", str(repo),
                "--http-port", str(http), "--grpc-port", str(free_port()), "--metrics-port", str(free_port())]
@@ -570,9 +580,17 @@ def test_cubeserve_serve_runs_supervised_and_a_stop_ends_every_process(repo, tmp
         names = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:3] for pid in tree]
         assert any(b"cubeserve.serving.supervisor" in n for args in names for n in args)
         assert any(args[0].endswith(b"tritonserver") for args in names)
+        key_file = Path(re.search(r"with the key in (\S+);", line).group(1))
+        assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_text().strip()) >= 32
+        # The stubs' shared-memory regions (their command lines name them).
+        regions = {Path("/dev/shm") / arg.decode() for pid in tree for arg in Path(f"/proc/{pid}/cmdline").read_bytes()
+                   .split(b"\0") if arg.startswith(b"triton_python_backend_shm_region")}
+        assert regions and all(r.exists() for r in regions)
         serve.send_signal(stop)
         assert serve.wait(90) == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
         wait_for(lambda: all(_gone(pid) for pid in tree), timeout=60)
+        assert not key_file.exists()
+        assert not [r for r in regions if r.exists()]
         with socket.socket() as s:  # nothing listens on the REST port
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", http))

@@ -360,7 +360,9 @@ def test_runtime_args_are_the_deploy_modules(overlay):
 def test_the_admin_key_comes_from_a_secret_and_the_pod_locks_the_admin_apis(overlay):
     """README, "Security": the pod's container gets the admin key from the Secret (never a value
     in the manifests; not optional, so a pod without it does not start), and its command, run
-    by the supervisor, gives tritonserver the restricted-API flags for HTTP and gRPC."""
+    by the supervisor, gives tritonserver the restricted-API flags for HTTP and gRPC (with a key
+    of the supervisor's own: the admin key is checked by the front ends); both of tritonserver's
+    endpoints listen on the loopback, behind the front ends on the pod's ports."""
     from cubeserve.serving import supervisor
 
     _, objects = overlay
@@ -372,8 +374,10 @@ def test_the_admin_key_comes_from_a_secret_and_the_pod_locks_the_admin_apis(over
             "name": deploy.ADMIN_SECRET, "key": deploy.ADMIN_KEY_ENV}}}
         args = container["args"]
         command = args[args.index("--") + 1:]
+        assert f"--rest-port={deploy.HTTP_PORT}" in args and f"--grpc-port={deploy.GRPC_PORT}" in args[:args.index("--")]
         key = deploy.new_admin_key()
-        locked = supervisor.locked_command(command, deploy.HTTP_PORT, key)
+        locked = supervisor.locked_command(command, deploy.HTTP_PORT, deploy.GRPC_PORT, key)
+        assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
         apis = ",".join(deploy.RESTRICTED_APIS)
         assert locked[-2:] == [f"--http-restricted-api={apis}:{deploy.ADMIN_HEADER}={key}",
                                f"--grpc-restricted-protocol={apis}:{deploy.ADMIN_HEADER}={key}"]
@@ -387,14 +391,21 @@ def test_the_supervisor_refuses_a_tritonserver_reachable_from_outside():
     from cubeserve.serving.supervisor import locked_command
 
     key = deploy.new_admin_key()
+    rest = ["--http-address=127.0.0.1", "--http-port=8010"]
     for command, problem in (
-            (["tritonserver", "--http-port=8010"], "loopback"),  # Triton's default address is 0.0.0.0
-            (["tritonserver", "--http-address=0.0.0.0", "--http-port=8010"], "loopback"),
-            (["tritonserver", "--http-address=127.0.0.1", "--http-port=8000"], "must differ"),
-            (["tritonserver", "--http-address=127.0.0.1", "--http-port=8010", "--http-restricted-api=trace:a=b"],
+            (["tritonserver", "--http-port=8010", "--allow-grpc=false"], "loopback"),  # Triton's default: 0.0.0.0
+            (["tritonserver", "--http-address=0.0.0.0", "--http-port=8010", "--allow-grpc=false"], "loopback"),
+            (["tritonserver", "--http-address=127.0.0.1", "--http-port=8000", "--allow-grpc=false"], "must differ"),
+            (["tritonserver", *rest], "gRPC endpoint must listen on the loopback"),
+            (["tritonserver", *rest, "--grpc-address=0.0.0.0", "--grpc-port=8011"], "loopback"),
+            (["tritonserver", *rest, "--grpc-address=127.0.0.1", "--grpc-port=8001"], "must differ"),
+            (["tritonserver", *rest, "--grpc-address=127.0.0.1", "--grpc-port=8011", "--http-restricted-api=trace:a=b"],
              "sets the restricted APIs itself")):
         with pytest.raises(ValueError, match=problem):
-            locked_command(command, deploy.HTTP_PORT, key)
+            locked_command(command, deploy.HTTP_PORT, deploy.GRPC_PORT, key)
+    with pytest.raises(ValueError, match="give --grpc-port"):
+        locked_command(["tritonserver", *rest], deploy.HTTP_PORT, None, key)
+    assert locked_command(["tritonserver", *rest, "--allow-grpc=false"], deploy.HTTP_PORT, None, key)
     for bad in ("", "short", "x" * 40 + ":y", "k=" + "x" * 40):
         with pytest.raises(ValueError, match=deploy.ADMIN_KEY_ENV):
             deploy.check_admin_key(bad)
@@ -405,11 +416,13 @@ def test_ports_probes_and_metrics_are_the_deploy_modules(overlay):
     container = runtime_container(objects)
     assert [p["containerPort"] for p in container["ports"]] == [deploy.HTTP_PORT]
     args = container["args"]
-    # clients reach the supervisor's front end; tritonserver's REST is on the pod's loopback
+    # clients reach the supervisor's front ends; tritonserver's REST and gRPC are on the pod's loopback
     supervisor, tritonserver = args[:args.index("--")], args[args.index("--") + 1:]
     assert f"--rest-port={deploy.HTTP_PORT}" in supervisor and "--rest-address=0.0.0.0" in supervisor
+    assert f"--grpc-port={deploy.GRPC_PORT}" in supervisor and "--grpc-address=0.0.0.0" in supervisor
     assert f"--http-port={deploy.TRITON_HTTP_PORT}" in tritonserver and "--http-address=127.0.0.1" in tritonserver
-    assert f"--grpc-port={deploy.GRPC_PORT}" in tritonserver and f"--metrics-port={deploy.METRICS_PORT}" in tritonserver
+    assert f"--grpc-port={deploy.TRITON_GRPC_PORT}" in tritonserver and "--grpc-address=127.0.0.1" in tritonserver
+    assert f"--metrics-port={deploy.METRICS_PORT}" in tritonserver
     runtime = find(objects, "ServingRuntime")
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/port"] == str(deploy.METRICS_PORT)
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/path"] == deploy.METRICS_PATH

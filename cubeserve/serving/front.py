@@ -38,28 +38,20 @@ import logging
 import math
 import re
 import threading
+from dataclasses import dataclass
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from cubeserve import deploy
+from cubeserve.serving import checks
+from cubeserve.serving.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
+                                      OUTPUT_PARAMETERS, REQUEST_PARAMETERS, Refused)
+from cubeserve.serving.protocol import DATATYPES as MODEL_DATATYPES
 
 log = logging.getLogger("cubeserve.front")
 
-# v2 datatypes (Open Inference Protocol; Triton's BYTES and BF16 included).
-DATATYPES = frozenset({"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-                       "FP16", "FP32", "FP64", "BF16", "BYTES"})
-MAX_TENSORS = 32  # inputs, and outputs, of one request
-MAX_RANK = 8
-MAX_ELEMENTS = 1 << 24  # of one input tensor
-MAX_PARAMETERS = 32
-MAX_NAME_BYTES = 256
-MAX_STRING_BYTES = 1 << 20  # one string value in a request (the body bound applies as well)
-INT_RANGE = (-(1 << 63), (1 << 64) - 1)
-# Parameter keys that make Triton read or write a client's shared memory (Open Inference
-# Protocol's shared-memory extension): never accepted from outside.
-SHARED_MEMORY_KEYS = frozenset({"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"})
-
-_NAME = r"[A-Za-z0-9_.\-]{1,256}"
+_NAME = checks.NAME
 _MODEL = rf"/v2/models/(?P<model>{_NAME})(?:/versions/(?P<version>[0-9]{{1,19}}))?"
 OPEN_GET = re.compile(rf"/v2|/v2/health/(?:live|ready)|{_MODEL}(?:/ready|/config)?")
 INFER = re.compile(rf"{_MODEL}/infer")
@@ -69,18 +61,34 @@ ADMIN = re.compile(
     rf"|/v2/(?:system|cuda)sharedmemory(?:/region/{_NAME})?/(?:status|register|unregister)"
     rf"|/v2/logging|/v2/trace/setting|/v2/models/{_NAME}/trace/setting"
     rf"|/v2/models(?:/{_NAME}(?:/versions/[0-9]{{1,19}})?)?/stats")
-# Request headers passed on: the experiment's (deploy.HTTP_HEADER_FORWARD_PATTERN) and the
-# response encodings Triton may use.
-FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-[a-z0-9-]{1,64}$")
+# Request headers passed on: the experiment's and the gateway's (deploy.HTTP_HEADER_FORWARD_PATTERN
+# makes tritonserver hand them to the models), and the response encodings Triton may use.
+FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant)$")
 RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
+_HEADER_LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "١٢"
+LISTEN_BACKLOG = 128
 
 
-class Refused(Exception):
-    """A request this front end answers itself: `status` and a message naming the field."""
+@dataclass(frozen=True)
+class Limits:
+    """What the front end holds at most, whatever clients do (README, "Security").
 
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+    connections: client connections open at once; one more is answered 503 and closed (each
+      open connection is a file descriptor, and one more while its request is forwarded).
+    idle_s: a connection with no request in progress is closed after this long: between
+      keep-alive requests, and before the first request's head is complete (a slow-header client).
+    body_s: the time a client has to send a whole body (408 past it).
+    linger_s: after a refusal whose body was not read (413, 408, 400), the connection's further
+      bytes are dropped unread, undecompressed, this long before it is closed (so that the client
+      reads the answer rather than a reset).
+    body_bytes: bodies being read by all connections together (503 beyond); the admin's are not
+      counted (the key is checked before their body is read)."""
+
+    connections: int = 1024
+    idle_s: float = 60.0
+    body_s: float = 60.0
+    linger_s: float = 2.0
+    body_bytes: int = 64 << 20
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -101,48 +109,17 @@ def parse_json(data: bytes, what: str = "body") -> object:
         raise Refused(400, f"{what}: not valid JSON ({exc})") from None
 
 
-def _string(value, where: str, limit: int = MAX_STRING_BYTES) -> str:
-    if not isinstance(value, str):
-        raise Refused(400, f"{where}: must be a string")
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise Refused(400, f"{where}: is not valid UTF-8 (a lone surrogate)") from None
-    if size > limit:
-        raise Refused(400, f"{where}: is longer than {limit} bytes")
-    return value
-
-
 def _scalar(value, where: str):
+    """A value of the generate extension, whose datatype Triton takes from the model."""
     if isinstance(value, str):
-        return _string(value, where)
-    if isinstance(value, bool) or value is None:
+        return checks.string(value, where)
+    if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        if not INT_RANGE[0] <= value <= INT_RANGE[1]:
-            raise Refused(400, f"{where}: {value} is outside [{INT_RANGE[0]}, {INT_RANGE[1]}]")
-        return value
+        return checks.integer(-(1 << 63), (1 << 64) - 1)(value, where)
     if isinstance(value, float):
-        if not math.isfinite(value):  # 1e999 parses as inf
-            raise Refused(400, f"{where}: must be a finite number")
-        return value
+        return checks.number(1.7976931348623157e308)(value, where)
     raise Refused(400, f"{where}: must be a string, number or boolean")
-
-
-def _parameters(value, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise Refused(400, f"{where}: must be an object")
-    if len(value) > MAX_PARAMETERS:
-        raise Refused(400, f"{where}: has {len(value)} entries, at most {MAX_PARAMETERS} are allowed")
-    for key, item in value.items():
-        _string(key, f"{where}: a key", MAX_NAME_BYTES)
-        if key in SHARED_MEMORY_KEYS:
-            raise Refused(400, f"{where}.{key}: shared memory is not accepted by this server; "
-                               "send the tensor in the request")
-        if isinstance(item, (dict, list)):
-            raise Refused(400, f"{where}.{key}: must be a string, number or boolean")
-        _scalar(item, f"{where}.{key}")
-    return value
 
 
 def _only(doc: dict, allowed: set, where: str) -> None:
@@ -151,16 +128,16 @@ def _only(doc: dict, allowed: set, where: str) -> None:
         raise Refused(400, f"{where}.{unknown[0]}: unknown field (allowed: {', '.join(sorted(allowed))})")
 
 
-def _count_elements(data, where: str, depth_left: int) -> int:
-    """Elements of a v2 tensor's `data` (flat, or nested as its shape), each a scalar."""
+def _count_elements(data, where: str, depth_left: int, check) -> int:
+    """Elements of a v2 tensor's `data` (flat, or nested as its shape), each passing `check`."""
     if not isinstance(data, list):
-        _scalar(data, where)
+        check(data, where)
         return 1
     if depth_left == 0:
         raise Refused(400, f"{where}: is nested deeper than the tensor's shape")
     count = 0
     for item in data:
-        count += _count_elements(item, where, depth_left - 1)
+        count += _count_elements(item, where, depth_left - 1, check)
         if count > MAX_ELEMENTS:
             raise Refused(400, f"{where}: has more than {MAX_ELEMENTS} elements")
     return count
@@ -174,9 +151,9 @@ def sanitize_infer(doc, binary_size: int) -> dict:
     _only(doc, {"id", "model_name", "model_version", "parameters", "inputs", "outputs"}, "body")
     for key in ("id", "model_name", "model_version"):
         if key in doc:
-            _string(doc[key], key, MAX_NAME_BYTES)
+            checks.string(doc[key], key, MAX_NAME_BYTES)
     if "parameters" in doc:
-        _parameters(doc["parameters"], "parameters")
+        checks.parameters(doc["parameters"], "parameters", REQUEST_PARAMETERS)
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_TENSORS:
         raise Refused(400, f"inputs: must be a list of 1 to {MAX_TENSORS} tensors")
@@ -186,9 +163,10 @@ def sanitize_infer(doc, binary_size: int) -> dict:
         if not isinstance(tensor, dict):
             raise Refused(400, f"{where}: must be an object")
         _only(tensor, {"name", "shape", "datatype", "parameters", "data"}, where)
-        _string(tensor.get("name"), f"{where}.name", MAX_NAME_BYTES)
-        if tensor.get("datatype") not in DATATYPES:
-            raise Refused(400, f"{where}.datatype: must be one of {', '.join(sorted(DATATYPES))}")
+        checks.string(tensor.get("name"), f"{where}.name", MAX_NAME_BYTES)
+        datatype = tensor.get("datatype")
+        if datatype not in checks.DATATYPES:
+            raise Refused(400, f"{where}.datatype: must be one of {', '.join(sorted(checks.DATATYPES))}")
         shape = tensor.get("shape")
         if (not isinstance(shape, list) or len(shape) > MAX_RANK
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_ELEMENTS for d in shape)):
@@ -196,18 +174,17 @@ def sanitize_infer(doc, binary_size: int) -> dict:
         elements = math.prod(shape)
         if elements > MAX_ELEMENTS:
             raise Refused(400, f"{where}.shape: {shape} has more than {MAX_ELEMENTS} elements")
-        parameters = _parameters(tensor.get("parameters", {}), f"{where}.parameters")
+        parameters = checks.parameters(tensor.get("parameters", {}), f"{where}.parameters", INPUT_PARAMETERS)
         size = parameters.get("binary_data_size")
         if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise Refused(400, f"{where}.parameters.binary_data_size: must be an integer >= 0")
             if "data" in tensor:
                 raise Refused(400, f"{where}: has both data and binary_data_size")
             binary_total += size
         elif "data" not in tensor:
             raise Refused(400, f"{where}.data: missing (or give parameters.binary_data_size)")
         else:
-            count = _count_elements(tensor["data"], f"{where}.data", max(len(shape), 1))
+            check = checks.element_check(datatype, f"{where}.data")
+            count = _count_elements(tensor["data"], f"{where}.data", max(len(shape), 1), check)
             if count != elements:
                 raise Refused(400, f"{where}.data: has {count} elements, shape {shape} needs {elements}")
     if binary_total != binary_size:
@@ -221,26 +198,28 @@ def sanitize_infer(doc, binary_size: int) -> dict:
         if not isinstance(tensor, dict):
             raise Refused(400, f"{where}: must be an object")
         _only(tensor, {"name", "parameters"}, where)
-        _string(tensor.get("name"), f"{where}.name", MAX_NAME_BYTES)
-        _parameters(tensor.get("parameters", {}), f"{where}.parameters")
+        checks.string(tensor.get("name"), f"{where}.name", MAX_NAME_BYTES)
+        checks.parameters(tensor.get("parameters", {}), f"{where}.parameters", OUTPUT_PARAMETERS)
     return doc
 
 
 def sanitize_generate(doc) -> dict:
     """Triton's generate extension: an object of input names to a scalar or a flat list, and
-    `parameters`."""
+    `parameters`. The values of this project's inputs are checked against their datatypes."""
     if not isinstance(doc, dict):
         raise Refused(400, "body: must be a JSON object")
     if len(doc) > MAX_TENSORS + 1:
         raise Refused(400, f"body: has {len(doc)} fields, at most {MAX_TENSORS + 1} are allowed")
     for key, value in doc.items():
-        _string(key, "body: a key", MAX_NAME_BYTES)
+        checks.string(key, "body: a key", MAX_NAME_BYTES)
         if key == "parameters":
-            _parameters(value, "parameters")
-        elif isinstance(value, list):
-            _count_elements(value, key, 1)
+            checks.parameters(value, "parameters", REQUEST_PARAMETERS)
+            continue
+        check = checks.element_check(MODEL_DATATYPES[key], key) if key in MODEL_DATATYPES else _scalar
+        if isinstance(value, list):
+            _count_elements(value, key, 1, check)
         else:
-            _scalar(value, key)
+            check(value, key)
     return doc
 
 
@@ -266,7 +245,7 @@ def rewrite_body(kind: str, body: bytes, header_length: str | None) -> tuple[byt
     if header_length is None:
         json_part, binary = body, b""
     else:
-        if not header_length.isdigit() or int(header_length) > len(body):
+        if not _HEADER_LENGTH.fullmatch(header_length) or int(header_length) > len(body):
             raise Refused(400, f"Inference-Header-Content-Length: must be an integer in [0, {len(body)}]")
         json_part, binary = body[:int(header_length)], body[int(header_length):]
     doc = parse_json(json_part)
@@ -284,17 +263,88 @@ def rewrite_body(kind: str, body: bytes, header_length: str | None) -> tuple[byt
 
 # -- the server ------------------------------------------------------------------------------------
 
-class FrontEnd:
-    """The front end on `host:port`, forwarding to tritonserver's REST endpoint on the loopback
-    port `upstream_port`; `admin_key` opens the restricted APIs."""
+class LoopThread:
+    """A server on a thread with its own asyncio loop, for as long as the supervisor runs: the
+    REST and gRPC front ends. Subclasses give `what` (for messages), `_start()` (listen) and
+    `_shutdown()`, and set host, port, upstream and limits."""
 
-    def __init__(self, host: str, port: int, upstream_port: int, admin_key: str,
-                 max_body: int = deploy.MAX_REQUEST_BYTES, max_admin_body: int = deploy.MAX_ADMIN_REQUEST_BYTES):
+    what = "server"
+
+    def start(self, timeout: float = 30.0):
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)  # grpc.aio looks for it there
+            try:
+                self._loop.run_until_complete(self._start())
+            except BaseException as exc:  # e.g. the port is taken
+                failure.append(exc)
+                started.set()
+                return
+            started.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"cubeserve-{self.what.replace(' ', '-')}", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout):
+            raise RuntimeError(f"the {self.what} did not start within {timeout:.0f} s")
+        if failure:
+            raise RuntimeError(f"the {self.what} cannot listen on {self.host}:{self.port}: {failure[0]}")
+        log.info("%s on %s:%d, forwarding to %s; at most %d connections", self.what, self.host, self.port,
+                 self.upstream, self.limits.connections)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops listening and ends the loop (answers still being sent get `timeout` seconds)."""
+        if self._loop is None or not self._loop.is_running():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._shutdown(timeout), self._loop).result(timeout)
+        except Exception as exc:  # noqa: BLE001 - stopping anyway
+            log.warning("the %s did not stop cleanly: %s", self.what, exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout)
+
+
+def _canned(status: str, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+class _Busy(asyncio.Protocol):
+    """A connection past Limits.connections: answered 503 and closed, nothing read."""
+
+    ANSWER = _canned("503 Service Unavailable", "unavailable: the server has as many connections open as it "
+                                                "takes; retry")
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.ANSWER)
+        transport.close()
+
+
+class FrontEnd(LoopThread):
+    """The front end on `host:port`, forwarding to tritonserver's REST endpoint on the loopback
+    port `upstream_port`. `admin_key` is the key clients give for the restricted APIs;
+    `upstream_key` the one tritonserver was started with (serving/supervisor.py: a key of its
+    own, so that the admin key is on no command line)."""
+
+    what = "REST front end"
+
+    def __init__(self, host: str, port: int, upstream_port: int, admin_key: str, upstream_key: str | None = None,
+                 max_body: int = deploy.MAX_REQUEST_BYTES, max_admin_body: int = deploy.MAX_ADMIN_REQUEST_BYTES,
+                 limits: Limits = Limits()):
         self.host, self.port, self.upstream = host, port, f"http://127.0.0.1:{upstream_port}"
         self.admin_key = admin_key.encode()
+        self.upstream_key = upstream_key or admin_key
         self.max_body, self.max_admin_body = max_body, max_admin_body
+        self.limits = limits
+        self._buffered = 0  # body bytes being read now (Limits.body_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.AbstractServer | None = None
         self._session: ClientSession | None = None
         self._thread: threading.Thread | None = None
         self.stopping = False  # set by the supervisor once tritonserver is told to stop
@@ -304,15 +354,23 @@ class FrontEnd:
         try:
             return await self._handle(request)
         except Refused as exc:
+            if not request.content.is_eof():
+                # The body is not read: drop the rest unread (no decompression) for linger_s, then
+                # close, instead of aiohttp's lingering read through the decoder.
+                request.protocol.close()
             return _error(exc.status, str(exc))
+
+    def _authorized(self, request: web.Request) -> bool:
+        # Header values arrive as UTF-8 with surrogate escapes: any bytes compare, none raise.
+        given = request.headers.get(deploy.ADMIN_HEADER, "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, self.admin_key)
 
     def _route(self, request: web.Request) -> tuple[str, int]:
         """(kind of request, the most body bytes it may carry); Refused when it may not be made."""
         path = request.path
         # The admin paths first: /v2/models/stats would otherwise read as a model's metadata.
         if ADMIN.fullmatch(path) and request.method in ("GET", "POST"):
-            given = request.headers.get(deploy.ADMIN_HEADER, "").encode()
-            if not hmac.compare_digest(given, self.admin_key):
+            if not self._authorized(request):
                 raise Refused(403, f"This API is restricted: it needs the admin header '{deploy.ADMIN_HEADER}' "
                                    "(README, \"Security\")")
             return "admin", self.max_admin_body
@@ -322,7 +380,7 @@ class FrontEnd:
             return "infer", self.max_body
         if request.method == "POST" and GENERATE.fullmatch(path):
             return "generate", self.max_body
-        raise Refused(404, f"{request.method} {path}: not an endpoint of this server")
+        raise Refused(404, f"{request.method} {path[:256]}: not an endpoint of this server")
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """`Expect: 100-continue` (curl sends it for bodies over 1 MB): refuse before the body
@@ -332,6 +390,7 @@ class FrontEnd:
             if request.content_length is not None and request.content_length > limit:
                 raise Refused(413, f"body: {request.content_length} bytes, at most {limit} are accepted")
         except Refused as exc:
+            request.protocol.close()  # the client may send the body anyway: not read
             return _error(exc.status, str(exc))
         if request.headers.get("Expect", "").lower() != "100-continue":
             return _error(417, f"Expect: {request.headers.get('Expect')!r} is not supported")
@@ -347,30 +406,51 @@ class FrontEnd:
             headers["Accept-Encoding"] = accept[:256]
         body = None
         if request.method == "POST":
-            raw = await self._read(request, limit)
+            raw = await self._read(request, limit, counted=kind != "admin")
             if not raw.strip() and kind == "admin":  # e.g. the repository index: no body needed
-                return await self._forward(request, {**headers, deploy.ADMIN_HEADER: self.admin_key.decode()}, b"")
+                return await self._forward(request, {**headers, deploy.ADMIN_HEADER: self.upstream_key}, b"")
             body, json_length = rewrite_body(kind, raw, request.headers.get("Inference-Header-Content-Length"))
             headers["Content-Type"] = "application/json"
             if json_length is not None:
                 headers["Inference-Header-Content-Length"] = str(json_length)
         if kind == "admin":
-            headers[deploy.ADMIN_HEADER] = self.admin_key.decode()
+            headers[deploy.ADMIN_HEADER] = self.upstream_key
         return await self._forward(request, headers, body)
 
-    async def _read(self, request: web.Request, limit: int) -> bytes:
-        """The body, at most `limit` bytes (413 past it, before reading it all). aiohttp's parser
-        has already undone a gzip or deflate Content-Encoding, chunk by chunk, so the bound
-        holds for the decompressed bytes (a compression bomb stops at `limit`)."""
+    async def _read(self, request: web.Request, limit: int, counted: bool = True) -> bytes:
+        """The body, at most `limit` bytes (413 past it, before reading it all), within
+        Limits.body_s (408) and, when `counted`, Limits.body_bytes for all bodies together (503).
+        aiohttp's parser has already undone a gzip or deflate Content-Encoding, chunk by chunk,
+        so the bound holds for the decompressed bytes (a compression bomb stops at `limit`)."""
         if request.content_length is not None and request.content_length > limit:
             raise Refused(413, f"body: {request.content_length} bytes, at most {limit} are accepted")
         chunks, size = [], 0
-        async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                raise Refused(413, f"body: more than {limit} bytes (decompressed), at most {limit} are accepted")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        deadline = self._loop.time() + self.limits.body_s
+        try:
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(request.content.readany(), deadline - self._loop.time())
+                except asyncio.TimeoutError:
+                    raise Refused(408, f"body: not received within {self.limits.body_s:g} s "
+                                       f"({size} bytes came)") from None
+                except (web.RequestPayloadError, HttpProcessingError) as exc:  # e.g. labelled gzip, is not
+                    cause = exc.__cause__ or exc
+                    raise Refused(400, "body: cannot be read as its Content-Encoding or Transfer-Encoding says "
+                                       f"({getattr(cause, 'message', None) or cause})") from None
+                if not chunk:
+                    return b"".join(chunks)
+                size += len(chunk)
+                if size > limit:
+                    raise Refused(413, f"body: more than {limit} bytes (decompressed), at most {limit} are accepted")
+                if counted:
+                    if self._buffered + len(chunk) > self.limits.body_bytes:
+                        raise Refused(503, "unavailable: the server is reading as many request bodies as it "
+                                           "holds at once; retry")
+                    self._buffered += len(chunk)
+                chunks.append(chunk)
+        finally:
+            if counted:
+                self._buffered -= sum(len(c) for c in chunks)
 
     async def _forward(self, request: web.Request, headers: dict, body: bytes | None) -> web.StreamResponse:
         url = self.upstream + request.path  # the query string is not passed on: no endpoint here uses one
@@ -399,30 +479,14 @@ class FrontEnd:
             await response.write_eof()
             return response
 
-    # -- life cycle: a thread with its own loop, inside the supervisor --------------------------
-    def start(self, timeout: float = 30.0) -> "FrontEnd":
-        started = threading.Event()
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            self._loop = asyncio.new_event_loop()
-            try:
-                self._loop.run_until_complete(self._start())
-            except BaseException as exc:  # e.g. the port is taken
-                failure.append(exc)
-                started.set()
-                return
-            started.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=run, name="cubeserve-front", daemon=True)
-        self._thread.start()
-        if not started.wait(timeout):
-            raise RuntimeError(f"the REST front end did not start within {timeout:.0f} s")
-        if failure:
-            raise RuntimeError(f"the REST front end cannot listen on {self.host}:{self.port}: {failure[0]}")
-        log.info("REST front end on %s:%d, forwarding to %s", self.host, self.port, self.upstream)
-        return self
+    # -- life cycle (LoopThread) ----------------------------------------------------------------
+    def _connection(self) -> asyncio.Protocol:
+        """A new client connection's protocol: aiohttp's, or _Busy past Limits.connections. (The
+        count can run past the cap by what one accept burst brings, at most the listen backlog.)"""
+        server = self._runner.server
+        if len(server.connections) >= self.limits.connections:
+            return _Busy()
+        return server()
 
     async def _start(self) -> None:
         # No pool (module docstring); no read timeout: a generation takes as long as its deadline.
@@ -431,22 +495,13 @@ class FrontEnd:
                                       auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
         app = web.Application(client_max_size=self.max_admin_body)
         app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=self.expect)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.limits.idle_s, lingering_time=self.limits.linger_s)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port, reuse_address=True).start()
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._connection, self.host, self.port, reuse_address=True, backlog=LISTEN_BACKLOG)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stops listening and ends the loop (answers still being sent get `timeout` seconds)."""
-        if self._loop is None or not self._loop.is_running():
-            return
-
-        async def shutdown() -> None:
-            await self._runner.cleanup()
-            await self._session.close()
-
-        try:
-            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout)
-        except Exception as exc:  # noqa: BLE001 - stopping anyway
-            log.warning("the REST front end did not stop cleanly: %s", exc)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
+    async def _shutdown(self, timeout: float) -> None:
+        self._listener.close()
+        await self._runner.cleanup()
+        await self._session.close()

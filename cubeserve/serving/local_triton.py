@@ -64,15 +64,18 @@ def free_port() -> int:
 
 class LocalTriton:
     """A tritonserver bound to 127.0.0.1 under cubeserve's supervisor (`process`; tritonserver is
-    its child), stopped by its PID, as a pod runs it: clients reach the supervisor's REST front
-    end on `http_port`, tritonserver's own REST endpoint is `triton_http_port`, and the admin
-    APIs need `admin_headers` (HTTP) or `grpc_admin_headers` (gRPC metadata).
+    its child), stopped by its PID, as a pod runs it: clients reach the supervisor's front ends
+    on `http_port` (REST) and `grpc_port`, tritonserver's own endpoints are `triton_http_port` and
+    `triton_grpc_port`, and the admin APIs need `admin_headers` (HTTP) or `grpc_admin_headers`
+    (gRPC metadata).
 
     `supervised`: the supervisor also starts tritonserver again when a python backend stub dies,
     giving the other requests `fault_grace` seconds to finish first; `on_fault="exit"` makes it
     exit instead, as in a container; unsupervised, a dead stub is left to the models (the
     supervisor's --on-fault none). `drained_grace`: see the supervisor's --drained-grace.
-    `admin_key`: default $CUBE3D_ADMIN_KEY, else a new one for this server."""
+    `admin_key`: default $CUBE3D_ADMIN_KEY, else a new one for this server; `admin_key_file`: where
+    the supervisor writes it while the server runs. `supervisor_args`: more of the supervisor's
+    flags (e.g. its front ends' limits)."""
 
     def __init__(self, model_repository: str | Path = MODEL_REPOSITORY, http_port: int = deploy.HTTP_PORT,
                  grpc_port: int = deploy.GRPC_PORT, metrics_port: int = deploy.METRICS_PORT,
@@ -80,13 +83,19 @@ class LocalTriton:
                  extra_args: tuple[str, ...] = (), verbose: bool = False, supervised: bool = False,
                  fault_grace: float = 10.0, on_fault: str = "restart", drained_grace: float | None = None,
                  env: dict[str, str] | None = None, triton_http_port: int | None = None,
-                 admin_key: str | None = None):
+                 admin_key: str | None = None, admin_key_file: str | Path | None = None,
+                 supervisor_args: tuple[str, ...] = (), triton_grpc_port: int | None = None):
         self.model_repository = Path(model_repository)
         self.extra_env = dict(env or {})  # e.g. CUBE3D_EXPERIMENT_FILE
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         if triton_http_port is None:
             triton_http_port = deploy.TRITON_HTTP_PORT if http_port == deploy.HTTP_PORT else free_port()
         self.triton_http_port = triton_http_port
+        if triton_grpc_port is None:
+            triton_grpc_port = deploy.TRITON_GRPC_PORT if grpc_port == deploy.GRPC_PORT else free_port()
+        self.triton_grpc_port = triton_grpc_port
+        self.admin_key_file = Path(admin_key_file) if admin_key_file else None
+        self.supervisor_args = tuple(supervisor_args)
         self.admin_key = deploy.check_admin_key(admin_key or os.environ.get(deploy.ADMIN_KEY_ENV)
                                                 or deploy.new_admin_key())
         self.log_path = Path(log_path) if log_path else None
@@ -124,10 +133,12 @@ class LocalTriton:
 
     def command(self) -> list[str]:
         grace = [] if self.drained_grace is None else ["--drained-grace", str(self.drained_grace)]
+        key_file = [f"--admin-key-file={self.admin_key_file}"] if self.admin_key_file else []
         return [sys.executable, "-m", "cubeserve.serving.supervisor",
                 "--on-fault", self.on_fault if self.supervised else "none",
-                "--fault-grace", str(self.fault_grace), *grace,
-                "--rest-address=127.0.0.1", f"--rest-port={self.http_port}", "--", *self.server_command()]
+                "--fault-grace", str(self.fault_grace), *grace, *key_file, *self.supervisor_args,
+                "--rest-address=127.0.0.1", f"--rest-port={self.http_port}",
+                "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}", "--", *self.server_command()]
 
     def server_command(self) -> list[str]:
         home = tritonserver_home()
@@ -136,7 +147,7 @@ class LocalTriton:
             f"--model-repository={self.model_repository}",
             f"--backend-directory={home / 'backends'}",
             "--http-address=127.0.0.1", f"--http-port={self.triton_http_port}",
-            "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.triton_grpc_port}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
             *deploy.COMMON_FLAGS,
             *self.extra_args,

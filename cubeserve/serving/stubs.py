@@ -122,6 +122,36 @@ def kill_leftover_stubs(stubs: dict[int, Path]) -> list[int]:
     return killed
 
 
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
+
+
+def shm_regions(pids) -> set[str]:
+    """The shared-memory regions (names in /dev/shm) of the stub processes `pids`: argument 2 of
+    a stub's command line (python_backend's stub_launcher.cc)."""
+    regions = set()
+    for pid in pids:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(args) > 2 and args[2].startswith(SHM_REGION_PREFIX.encode()) and b"/" not in args[2]:
+            regions.add(args[2].decode())
+    return regions
+
+
+def remove_regions(regions) -> list[str]:
+    """Unlink the regions of a tritonserver that ended without removing them (killed, crashed:
+    Triton removes them in its own shutdown only); returns those removed."""
+    removed = []
+    for name in regions:
+        try:
+            os.unlink(f"/dev/shm/{name}")
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def end_this_process_after(seconds: float) -> None:
     """A stub on its way out (after finalize) that still runs `seconds` from now: its threads'
     stacks go to stderr (the server's log) and it ends. Until a stub ends, Triton's unload of its

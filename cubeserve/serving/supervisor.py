@@ -26,11 +26,19 @@ exit), after it had started, is a fault too: restarted (`restart`, after a pause
 crashes follow each other) or reported by exiting (`exit`). One that fails before its endpoint
 ever answered (a bad model repository, a taken port) is not restarted: a new start fails the same way.
 
-The supervisor also holds the server's public REST port: its front end (serving/front.py) checks
-every request and forwards it to tritonserver's own REST endpoint, which must listen on the
-loopback only (`--http-address=127.0.0.1`); and it locks Triton's admin APIs (cubeserve.deploy.
-RESTRICTED_APIS, HTTP and gRPC) with the key in $CUBE3D_ADMIN_KEY, or with a random key nobody
-holds when that is unset. `--on-fault none` (local servers whose tests kill stubs on purpose) does
+The supervisor also holds the server's public ports: its front ends (serving/front.py for REST,
+serving/grpc_front.py for gRPC) check every request and forward it to tritonserver's own
+endpoints, which must listen on the loopback only (`--http-address=127.0.0.1`,
+`--grpc-address=127.0.0.1`); and it locks Triton's admin APIs (cubeserve.deploy.RESTRICTED_APIS,
+HTTP and gRPC): clients give the key in $CUBE3D_ADMIN_KEY (or a random key nobody holds when that
+is unset, or the key `--admin-key-file` names, written there for the server's life), which the
+front ends check; tritonserver itself is locked with a key of its own, made at each start, so
+that the admin key is on no process's command line (tritonserver's key is: a local user who can
+list processes and reach its loopback ports can use it; README, "Security").
+
+The front ends hold bounded resources (front.Limits, grpc_front.GrpcLimits): the supervisor
+raises its open-file limit (to its hard limit, at most OPEN_FILES) and sizes the connection caps
+to fit in it, and its watch loop outlives any error of its own (a full file table included). `--on-fault none` (local servers whose tests kill stubs on purpose) does
 neither 1. nor 2. above: a tritonserver that ends ends the supervisor.
 
 SIGTERM or SIGINT to the supervisor is passed to tritonserver, and the supervisor waits for it as
@@ -44,7 +52,8 @@ minutes), and would hold the pod, and its GPU, for the whole exit timeout with n
 every request on those connections is refused by the drain, so killing it loses nothing.
 
     python -m cubeserve.serving.supervisor [--on-fault exit|restart|none] --rest-port PORT \
-        [--rest-address ADDRESS] -- tritonserver --http-address=127.0.0.1 --http-port=PORT2 ARGS...
+        [--rest-address ADDRESS] --grpc-port PORT3 [--grpc-address ADDRESS] -- tritonserver \
+        --http-address=127.0.0.1 --http-port=PORT2 --grpc-address=127.0.0.1 --grpc-port=PORT4 ARGS...
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -64,8 +74,9 @@ import urllib.request
 from cubeserve import deploy
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.drain import clear_markers, in_progress, is_draining
-from cubeserve.serving.front import FrontEnd
-from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
+from cubeserve.serving.front import LISTEN_BACKLOG, FrontEnd, Limits
+from cubeserve.serving.grpc_front import GrpcFrontEnd, GrpcLimits
+from cubeserve.serving.stubs import kill_leftover_stubs, remove_regions, shm_regions, stub_processes
 
 log = logging.getLogger("cubeserve.supervisor")
 
@@ -77,6 +88,9 @@ DRAINED_GRACE_S = 10.0
 # the last start by less than CRASH_WINDOW_S, up to CRASH_BACKOFF_MAX_S (the kubelet's
 # CrashLoopBackOff, in small).
 CRASH_BACKOFF_S, CRASH_BACKOFF_MAX_S, CRASH_WINDOW_S = 1.0, 30.0, 60.0
+# The open-file limit the supervisor raises itself to (within its hard limit), and what of it
+# stays for its own use (its loops, /proc, the checks of tritonserver, log files).
+OPEN_FILES, OWN_FILES = 65536, 256
 
 
 def _port(command: list[str], flag: str, default: int) -> int:
@@ -97,17 +111,66 @@ def _flag(command: list[str], flag: str) -> str | None:
     return None
 
 
-def locked_command(command: list[str], rest_port: int, key: str) -> list[str]:
-    """tritonserver's command with the admin APIs locked by `key`; refuses one whose REST
-    endpoint would be reachable from outside (the front end must be the only way in)."""
+def locked_command(command: list[str], rest_port: int, grpc_port: int | None, key: str) -> list[str]:
+    """tritonserver's command with the admin APIs locked by `key`; refuses one whose REST or gRPC
+    endpoint would be reachable from outside (the front ends must be the only way in)."""
     if _flag(command, "--http-address") != "127.0.0.1":
         raise ValueError("tritonserver's REST endpoint must listen on the loopback only: give "
                          "--http-address=127.0.0.1 (clients reach the front end on --rest-port)")
     if http_port(command) == rest_port:
         raise ValueError(f"tritonserver's --http-port must differ from --rest-port ({rest_port})")
+    grpc_on = _flag(command, "--allow-grpc") not in ("false", "0")
+    if grpc_port is None and grpc_on:
+        raise ValueError("give --grpc-port (the gRPC front end), or run tritonserver with --allow-grpc=false")
+    if grpc_port is not None and grpc_on:
+        if _flag(command, "--grpc-address") != "127.0.0.1":
+            raise ValueError("tritonserver's gRPC endpoint must listen on the loopback only: give "
+                             "--grpc-address=127.0.0.1 (clients reach the front end on --grpc-port)")
+        if _port(command, "--grpc-port", 8001) == grpc_port:
+            raise ValueError(f"tritonserver's --grpc-port must differ from --grpc-port ({grpc_port})")
     if any(arg.startswith(("--http-restricted-api", "--grpc-restricted-protocol")) for arg in command):
         raise ValueError("the supervisor sets the restricted APIs itself (cubeserve.deploy.RESTRICTED_APIS)")
     return [*command, *deploy.restricted_api_flags(key)]
+
+
+def raise_open_files(wanted: int = OPEN_FILES) -> int:
+    """The soft open-file limit raised towards `wanted` (never above the hard limit); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft
+
+
+def front_limits(open_files: int, connections: int | None = None, idle_s: float | None = None,
+                 body_s: float | None = None) -> tuple[Limits, GrpcLimits]:
+    """Connection caps that fit in `open_files`: a REST connection holds two files while its
+    request is forwarded, a gRPC one one (its calls share one connection to tritonserver), and an
+    accept burst may run past a cap by the listen backlog. `connections` (a cap on each) and the
+    timeouts override the defaults."""
+    budget = max(open_files - OWN_FILES - 2 * LISTEN_BACKLOG, 64)
+    rest, grpc = Limits(), GrpcLimits()
+    rest_cap = min(connections or rest.connections, budget // 4)
+    grpc_cap = min(connections or grpc.connections, budget // 4)
+    idle = {} if idle_s is None else {"idle_s": idle_s}
+    body = {} if body_s is None else {"body_s": body_s}
+    return (Limits(connections=rest_cap, **idle, **body),
+            GrpcLimits(connections=grpc_cap, calls=max(grpc_cap, 16), **idle))
+
+
+def write_private(path: str, text: str) -> None:
+    """`text` in a new file at `path` that only this user can read."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def admin_key_from_env(env: dict) -> str:
@@ -122,20 +185,30 @@ def admin_key_from_env(env: dict) -> str:
 class Supervisor:
     def __init__(self, command: list[str], on_fault: str = "restart", poll_s: float = 0.5,
                  fault_grace_s: float = 10.0, env: dict | None = None, drained_grace_s: float = DRAINED_GRACE_S,
-                 rest_port: int = deploy.HTTP_PORT, rest_address: str = "127.0.0.1"):
+                 rest_port: int = deploy.HTTP_PORT, rest_address: str = "127.0.0.1",
+                 grpc_port: int | None = None, grpc_address: str = "127.0.0.1",
+                 admin_key_file: str | None = None, limits: tuple[Limits, GrpcLimits] | None = None):
         if on_fault not in ("restart", "exit", "none"):
             raise ValueError(f"on_fault must be 'restart', 'exit' or 'none', got {on_fault!r}")
         env = dict(os.environ if env is None else env)
         key = admin_key_from_env(env)
         env.pop(deploy.ADMIN_KEY_ENV, None)  # the models need not see it
-        self.command, self.on_fault, self.env = locked_command(list(command), rest_port, key), on_fault, env
-        self.admin_headers = {deploy.ADMIN_HEADER: key}
-        self.front = FrontEnd(rest_address, rest_port, http_port(command), key)
+        # tritonserver's own key: on its command line (Triton reads it nowhere else), so not the admin key.
+        server_key = deploy.new_admin_key()
+        self.command, self.on_fault, self.env = locked_command(list(command), rest_port, grpc_port, server_key), on_fault, env
+        self.admin_headers = {deploy.ADMIN_HEADER: server_key}  # the supervisor's own calls to tritonserver
+        self.admin_key, self.admin_key_file = key, admin_key_file
+        rest_limits, grpc_limits = limits or front_limits(raise_open_files())
+        self.fronts = [FrontEnd(rest_address, rest_port, http_port(command), key, server_key, limits=rest_limits)]
+        if grpc_port is not None and _flag(command, "--allow-grpc") not in ("false", "0"):
+            self.fronts.append(GrpcFrontEnd(grpc_address, grpc_port, _port(command, "--grpc-port", 8001), key,
+                                            server_key, limits=grpc_limits))
         self.poll_s, self.fault_grace_s, self.drained_grace_s = poll_s, fault_grace_s, drained_grace_s
         self.index_url = f"http://127.0.0.1:{http_port(command)}/v2/repository/index"
         self.metrics_url = f"http://127.0.0.1:{_port(command, '--metrics-port', 8002)}/metrics"
         self.child: subprocess.Popen | None = None
         self.stubs: dict = {}  # every stub seen (pid: model.py), to reap those that outlive the server
+        self.regions: set[str] = set()  # their shared memory, to remove what a killed server leaves
         self.restarts = 0
         self._stop = threading.Event()
 
@@ -152,6 +225,8 @@ class Supervisor:
     def dead_models(self, seen: set[tuple[str, str]]) -> tuple[set, set]:
         """(pairs seen with a stub so far, pairs READY in Triton whose stub is gone)."""
         stubs = stub_processes(self.child.pid)
+        if set(stubs) - set(self.stubs):
+            self.regions |= shm_regions(set(stubs) - set(self.stubs))
         self.stubs.update(stubs)
         alive = {(path.parent.parent.name, path.parent.name) for path in stubs.values()}
         vanished = seen - alive
@@ -169,15 +244,26 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._forward_signal)
+        started = []
         try:
-            self.front.start()
-        except RuntimeError as exc:
-            log.error("%s", exc)
-            return 1
-        try:
+            try:
+                for front in self.fronts:
+                    front.start()
+                    started.append(front)
+            except RuntimeError as exc:
+                log.error("%s", exc)
+                return 1
+            if self.admin_key_file:
+                write_private(self.admin_key_file, self.admin_key + "\n")
             return self._run()
         finally:
-            self.front.stop()
+            if self.admin_key_file:
+                try:
+                    os.unlink(self.admin_key_file)
+                except FileNotFoundError:
+                    pass
+            for front in started:
+                front.stop()
 
     def _run(self) -> int:
         backoff = 0.0
@@ -188,7 +274,10 @@ class Supervisor:
             clear_markers(self.child.pid)
             if kill_leftover_stubs(self.stubs):
                 log.warning("killed python backend stubs that outlived tritonserver")
+            if remove_regions(self.regions):
+                log.warning("removed the shared memory that tritonserver left behind")
             self.stubs.clear()
+            self.regions.clear()
             if fault is None or self.on_fault == "none":
                 return code  # tritonserver exited by itself, or was told to
             if self.on_fault == "exit":
@@ -204,6 +293,7 @@ class Supervisor:
         """Until tritonserver exits: (its exit code, what went wrong when that is a fault, else None)."""
         seen: set[tuple[str, str]] = set()
         up = False  # its HTTP endpoint has answered: it started, whatever happens next
+        last_error = 0.0  # when a failed look was last logged
         while True:
             code = self.child.poll()
             if code is not None:
@@ -214,16 +304,23 @@ class Supervisor:
                 return code, "tritonserver crashed"
             if self._stop.is_set():
                 return self._wait_for_shutdown(), None
-            seen, dead = self.dead_models(seen)  # also records the stubs, to reap any that outlive it
+            try:
+                seen, dead = self.dead_models(seen)  # also records the stubs, to reap any that outlive it
+                if not up and self.ready_versions() is not None:
+                    up = True
+                    log.info("tritonserver (pid %d) is up", self.child.pid)
+            except Exception as exc:  # noqa: BLE001 - e.g. EMFILE listing /proc: look again next time
+                dead = set()
+                now = time.monotonic()
+                if now - last_error > 10:
+                    log.error("watching tritonserver failed, trying again: %r", exc)
+                    last_error = now
             if dead and self.on_fault != "none":
                 names = ", ".join(f"{m} version {v}" for m, v in sorted(dead))
                 log.error("the python backend stub of %s died while Triton reports it READY; stopping "
                           "tritonserver (readiness now fails)", names)
                 self._terminate()
                 return FAULT_EXIT_CODE, f"the stub of {names} died"
-            if not up and self.ready_versions() is not None:
-                up = True
-                log.info("tritonserver (pid %d) is up", self.child.pid)
             time.sleep(self.poll_s)
 
     def _wait_for_shutdown(self) -> int:
@@ -259,7 +356,8 @@ class Supervisor:
 
     def _forward_signal(self, signum, frame) -> None:
         self._stop.set()
-        self.front.stopping = True
+        for front in self.fronts:
+            front.stopping = True
         if self.child is not None and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM)
 
@@ -270,6 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rest-port", type=int, required=True,
                         help="the public REST port: the front end, forwarding to tritonserver's --http-port")
     parser.add_argument("--rest-address", default="127.0.0.1", help="the front end's address (0.0.0.0 in a pod)")
+    parser.add_argument("--grpc-port", type=int,
+                        help="the public gRPC port: the gRPC front end, forwarding to tritonserver's --grpc-port")
+    parser.add_argument("--grpc-address", default="127.0.0.1", help="the gRPC front end's address (0.0.0.0 in a pod)")
+    parser.add_argument("--admin-key-file", help="write the admin key to this file (mode 0600) while the server runs")
+    parser.add_argument("--max-connections", type=int,
+                        help="client connections each front end holds at once (default: what the open-file limit "
+                             f"allows, at most {Limits.connections})")
+    parser.add_argument("--idle-timeout", type=float, help=f"seconds an idle client connection is kept "
+                                                           f"(default {Limits.idle_s:g})")
+    parser.add_argument("--body-timeout", type=float, help=f"seconds a client has to send a request body "
+                                                           f"(default {Limits.body_s:g})")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the stubs")
     parser.add_argument("--fault-grace", type=float, default=10.0,
                         help="seconds tritonserver gets to finish other requests after a stub died")
@@ -281,9 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the server's command after --")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cubeserve supervisor: %(message)s")
+    limits = front_limits(raise_open_files(), args.max_connections, args.idle_timeout, args.body_timeout)
     try:
         supervisor = Supervisor(command, args.on_fault, args.poll, args.fault_grace, drained_grace_s=args.drained_grace,
-                                rest_port=args.rest_port, rest_address=args.rest_address)
+                                rest_port=args.rest_port, rest_address=args.rest_address, grpc_port=args.grpc_port,
+                                grpc_address=args.grpc_address, admin_key_file=args.admin_key_file, limits=limits)
     except ValueError as exc:
         parser.error(str(exc))
     return supervisor.run()
