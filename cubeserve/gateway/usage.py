@@ -2,11 +2,15 @@
 (serving/metrics.py, cube3d_tenant_*) in Prometheus: requests by outcome, objects, shape tokens and
 engine seconds, per tenant and model version, as a table or CSV.
 
-Exact, not PromQL's increase() (which extrapolates to the window's edges: 32 tokens read as 39):
-each series' raw samples in the window, summed step by step, a drop being a counter reset (a
-restarted server) from which the new value counts. What a series held before its first sample
-in the window is not counted; the servers create each known tenant's series at 0 when they load
-(serving/triton_metrics.py), so a tenant's first request is.
+Exact, not PromQL's increase() (which extrapolates to the window's edges: 32 tokens read as 39,
+and misses a series' first request): each series' raw samples in the window, summed step by
+step, a drop being a counter reset (a restarted server) from which the new value counts. The
+step before a series' first sample in the window starts from its value at the window's start
+(`offset`); where it had none then, from 0 if an earlier scrape of its server in the window did
+not have it yet: a counter series is created by its first increment (a tenant's first `invalid`
+request, the `other` and unmetered rows), so its first sample already counts that request. A
+series present from the first scrape Prometheus has of its server counts from its first sample
+(what it held before is unknown).
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ def increase(values: list[float]) -> float:
     return total
 
 
+def _identity(labels: dict) -> frozenset:
+    return frozenset(labels.items())
+
+
+def _target(labels: dict) -> tuple[str, str]:
+    return labels.get("job", ""), labels.get("instance", "")
+
+
 def usage(prometheus: str, since: str) -> list[dict]:
     """One row per (tenant, version) with any request in the last `since` (e.g. 24h, 7d)."""
     if not _WINDOW.fullmatch(since):
@@ -49,14 +61,27 @@ def usage(prometheus: str, since: str) -> list[dict]:
     rows: dict[tuple[str, str], dict] = {}
     columns = [(names.TENANT_REQUESTS, None), (names.TENANT_OBJECTS, "objects"),
                (names.TENANT_SHAPE_TOKENS, "shape_tokens"), (names.TENANT_ENGINE_SECONDS, "engine_seconds")]
+    # When each server (job, instance) was first scraped in the window.
+    first_scrape = {}
+    for series in query(prometheus, f"up[{since}]"):
+        up = [float(t) for t, v in series["values"] if float(v) == 1]
+        if up:
+            first_scrape[_target(series["metric"])] = up[0]
     for metric, column in columns:
+        at_start = {_identity(s["metric"]): float(s["value"][1])
+                    for s in query(prometheus, f"{metric} offset {since}")}
         for series in query(prometheus, f"{metric}[{since}]"):
             labels = series["metric"]
             key = (labels.get("tenant", "") or NO_TENANT, labels.get("version", ""))
             row = rows.setdefault(key, {"tenant": key[0], "version": key[1], **{c: 0 for c in COLUMNS[2:]}})
             name = column or labels.get("outcome", "")
             if name in row:
-                row[name] += increase([float(v) for _, v in series["values"]])
+                values = [float(v) for _, v in series["values"]]
+                baseline = at_start.get(_identity(labels))
+                if baseline is None:  # created in the window (from 0), or there from the first scrape
+                    created = float(series["values"][0][0]) > first_scrape.get(_target(labels), float("inf"))
+                    baseline = 0.0 if created else values[0]
+                row[name] += increase([baseline] + values)
     for row in rows.values():
         for c in COLUMNS[2:]:
             row[c] = round(row[c], 1) if c == "engine_seconds" else round(row[c])
