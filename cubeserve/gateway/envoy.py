@@ -254,7 +254,9 @@ def validate(config: GatewayConfig, path: Path) -> None:
 
 class Gateway:
     """Envoy with `config`, on 127.0.0.1, stopped by its PID. Its rendered file, log and admin
-    address live in a private folder (`workdir`, made if not given)."""
+    address live in a private folder (`workdir`, made if not given). A folder made here is removed
+    as soon as Envoy is ready (the log is read through the handle kept open), so that a command
+    killed with no chance to clean up leaves nothing behind."""
 
     def __init__(self, config: GatewayConfig, workdir: str | Path | None = None, concurrency: int = 2):
         self.config, self.concurrency = config, concurrency
@@ -265,6 +267,7 @@ class Gateway:
         self.process: subprocess.Popen | None = None
         self.admin_url: str | None = None
         self.log_path = self.workdir / "envoy.log"
+        self._log = None  # the log, open for reading (its folder may be gone)
 
     @property
     def url(self) -> str:
@@ -283,13 +286,13 @@ class Gateway:
         validate(self.config, path)
         address_file = self.workdir / "admin-address"
         address_file.unlink(missing_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [envoy_binary(), "-c", str(path), "--concurrency", str(self.concurrency),
-                 "--disable-hot-restart",  # several Envoys on one machine (no shared memory between them)
-                 "--admin-address-path", str(address_file), "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=ends_with_this_process())
+        self._log = open(self.log_path, "a+b")
+        self.process = subprocess.Popen(
+            [envoy_binary(), "-c", str(path), "--concurrency", str(self.concurrency),
+             "--disable-hot-restart",  # several Envoys on one machine (no shared memory between them)
+             "--admin-address-path", str(address_file), "--log-level", "warn"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=ends_with_this_process())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -298,6 +301,8 @@ class Gateway:
                 self.admin_url = "http://" + address_file.read_text().strip()
                 if self._get("/ready") == "LIVE":
                     path.unlink()  # Envoy has read it: the keys stay on disk no longer than needed
+                    if self._own_workdir:
+                        shutil.rmtree(self.workdir, ignore_errors=True)
                     return self
             time.sleep(0.05)
         raise RuntimeError(f"envoy was not ready within {timeout:.0f} s:\n" + self.log_tail())
@@ -330,7 +335,11 @@ class Gateway:
             time.sleep(0.1)
 
     def log_tail(self, chars: int = 3000) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        if self._log is None:
+            return ""
+        self._log.seek(0, os.SEEK_END)
+        self._log.seek(max(0, self._log.tell() - 4 * chars))
+        text = self._log.read().decode(errors="replace")
         return _redact(text[-chars:], self.config)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -343,6 +352,9 @@ class Gateway:
                 self.process.wait()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def __enter__(self) -> "Gateway":
         return self.start()
