@@ -431,6 +431,28 @@ def test_bad_gate_settings_are_refused_before_anything_changes(settings, message
     assert message in str(refused.value)
 
 
+def test_an_unreachable_local_server_fails_the_roll_out_naming_the_url_and_the_cause(monkeypatch):
+    """target=local with a wrong triton_url: the rollback (which ran first into the same refused
+    connection) raised a bare ConnectionRefusedError, and the cause was lost."""
+    from types import SimpleNamespace
+
+    from cubeserve import deploy
+    from cubeserve.serving.local_triton import free_port
+
+    monkeypatch.setenv(deploy.ADMIN_KEY_ENV, deploy.new_admin_key())
+    url = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(RuntimeError) as failed:
+        serving.serve_versions(url, "s3://models", [])
+    assert f"tritonserver at {url} cannot be reached (ConnectionRefusedError" in str(failed.value)
+    with pytest.raises(RuntimeError) as failed:
+        serving._local(SimpleNamespace(triton_version=2), SimpleNamespace(triton_version=1), url, "s3://models",
+                       ["a cup"], 1, 0.0, False, 10, serving.Gate(), [])
+    message = str(failed.value)
+    assert message.startswith(f"rolling back on {url} after: canary of version 2 failed to load: tritonserver at "
+                              f"{url} cannot be reached"), message
+    assert "the rollback failed too: tritonserver at" in message
+
+
 # -- the compiled pipeline ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -80,35 +81,43 @@ def serve_versions(triton_url: str, model_store: str, versions: list[int], exper
     engines keep running. `admin_key`: the server's (admin_headers)."""
     import tritonclient.http as httpclient
 
-    from cubeserve import storage
-    from cubeserve.pipeline.steps import version_uri
-
     headers = admin_headers(admin_key)
     client = httpclient.InferenceServerClient(triton_url, network_timeout=600.0)
     try:
-        if not versions:
-            for model in (PREDICT_MODEL, STREAM_MODEL):
-                client.unload_model(model, headers=headers)
-            return
-        with tempfile.TemporaryDirectory() as tmp:
-            for v in versions:
-                storage.download_dir(version_uri(model_store, v), Path(tmp) / str(v))
-            newest = Path(tmp) / str(max(versions))
-            for model in models:  # cube3d forwards to cube3d_stream: the engines first
-                files = {}
-                for v in versions:
-                    root = Path(tmp) / str(v) / model / str(v)
-                    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-                        files[f"file:{v}/{f.relative_to(root).as_posix()}"] = f.read_bytes()
-                config = _model_config_json((newest / model / "config.pbtxt").read_text(), versions,
-                                            experiment if model == PREDICT_MODEL else "")
-                client.load_model(model, headers=headers, config=config, files=files)
-        for model in models:
-            for v in versions:
-                if not client.is_model_ready(model, str(v)):
-                    raise RuntimeError(f"{model} version {v} did not become ready on {triton_url}")
+        _serve_versions(client, triton_url, model_store, versions, experiment, models, headers)
+    except (ConnectionError, socket.timeout, socket.gaierror) as exc:  # say where, not only what
+        raise RuntimeError(f"tritonserver at {triton_url} cannot be reached ({type(exc).__name__}: {exc}): is "
+                           "triton_url right and the server running?") from exc
     finally:
         client.close()
+
+
+def _serve_versions(client, triton_url, model_store, versions, experiment, models, headers) -> None:
+    from cubeserve import storage
+    from cubeserve.pipeline.steps import version_uri
+
+    client.is_server_live()  # reachable, before any download
+    if not versions:
+        for model in (PREDICT_MODEL, STREAM_MODEL):
+            client.unload_model(model, headers=headers)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        for v in versions:
+            storage.download_dir(version_uri(model_store, v), Path(tmp) / str(v))
+        newest = Path(tmp) / str(max(versions))
+        for model in models:  # cube3d forwards to cube3d_stream: the engines first
+            files = {}
+            for v in versions:
+                root = Path(tmp) / str(v) / model / str(v)
+                for f in sorted(p for p in root.rglob("*") if p.is_file()):
+                    files[f"file:{v}/{f.relative_to(root).as_posix()}"] = f.read_bytes()
+            config = _model_config_json((newest / model / "config.pbtxt").read_text(), versions,
+                                        experiment if model == PREDICT_MODEL else "")
+            client.load_model(model, headers=headers, config=config, files=files)
+    for model in models:
+        for v in versions:
+            if not client.is_model_ready(model, str(v)):
+                raise RuntimeError(f"{model} version {v} did not become ready on {triton_url}")
 
 
 def served_versions(triton_url: str) -> list[int]:
@@ -416,7 +425,10 @@ def _local(new, champion, triton_url, model_store, prompts, soak_requests, soak_
     if force_rollback and not problem:
         problem = "rollback requested (force_rollback)"
     if problem:
-        serve_versions(triton_url, model_store, old)
+        try:
+            serve_versions(triton_url, model_store, old)
+        except Exception as exc:  # the cause first: the rollback's own failure would hide it
+            raise RuntimeError(f"rolling back on {triton_url} after: {problem}; the rollback failed too: {exc}") from exc
         return "rolled_back", problem + (f"; serving version {old[0]} again" if old else "; nothing served")
     serve_versions(triton_url, model_store, [n])
     passed = (f"{gate.windows} analysis windows of {gate.window_seconds:g} s passed" if gate.enabled
