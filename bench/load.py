@@ -89,10 +89,18 @@ class RssSampler(threading.Thread):
 
 # -- the model repository and the expected answers ----------------------------------------------
 
+# Every result is compared token for token with the in-process engine, so both decode in float32:
+# in bfloat16 (the default on CPUs with AMX) a row decoded beside others and alone part at
+# near-ties ('a round coffee table' did, on a Sapphire Rapids Xeon, with or without the front
+# ends). What is measured here is the transports and the queue, not a dtype.
+DTYPE = "float32"
+
+
 def make_repository(root: Path, max_objects: int | None, max_queue: int | None) -> Path:
     from cubeserve.serving.local_triton import copy_model_repository, ensure_demo_weights
 
-    parameters = {k: v for k, v in (("max_objects", max_objects), ("max_queue", max_queue)) if v is not None}
+    parameters = {k: v for k, v in (("max_objects", max_objects), ("max_queue", max_queue), ("dtype", DTYPE))
+                  if v is not None}
     repo = copy_model_repository(root / "models", parameters)
     ensure_demo_weights(repo)
     return repo
@@ -107,7 +115,7 @@ def known_requests(repo: Path, resolution: int) -> list[dict]:
 
     # One OpenMP thread: a team of several stalls at every barrier when another process holds a
     # core (12 requests: 0.8 s on one thread, 8 s on two, on 2 busy cores; same tokens).
-    engine = Engine.from_dir(repo / STREAM_MODEL / "1" / "weights", cpu_threads=1)
+    engine = Engine.from_dir(repo / STREAM_MODEL / "1" / "weights", cpu_threads=1, dtype=DTYPE)
     out = []
     with torch.inference_mode():
         for i, prompt in enumerate(PROMPTS):

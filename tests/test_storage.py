@@ -314,10 +314,10 @@ def test_version_repository_refuses_an_existing_target_and_empty_files(tmp_path)
 class ServingRuntimeTriton(LocalTriton):
     """tritonserver with exactly the ServingRuntime's arguments (cubeserve.deploy.tritonserver_args),
     under the supervisor with `--on-fault exit`, as the container runs it. What differs, and why:
-    - the ports are free ports instead of 8000-8002 and 8010, which other servers on this machine
-      may hold (the flags are the same ones, with other numbers);
-    - --grpc-address and --metrics-address are 127.0.0.1, and so is the front end's address:
-      the pod listens on all of its interfaces, a test binds nothing beyond this machine;
+    - the ports are free ports instead of 8000-8002, 8010 and 8011, which other servers on this
+      machine may hold (the flags are the same ones, with other numbers);
+    - --metrics-address is 127.0.0.1, and so are the front ends' addresses: the pod listens on
+      all of its interfaces, a test binds nothing beyond this machine;
     - --backend-directory names the backends of the nvidia-pytriton wheel, which the runtime
       image has at Triton's default path."""
 
@@ -327,7 +327,7 @@ class ServingRuntimeTriton(LocalTriton):
 
     def runtime_args(self) -> list[str]:
         ports = {f"--http-port={deploy.TRITON_HTTP_PORT}": f"--http-port={self.triton_http_port}",
-                 f"--grpc-port={deploy.GRPC_PORT}": f"--grpc-port={self.grpc_port}",
+                 f"--grpc-port={deploy.TRITON_GRPC_PORT}": f"--grpc-port={self.triton_grpc_port}",
                  f"--metrics-port={deploy.METRICS_PORT}": f"--metrics-port={self.metrics_port}"}
         args = deploy.tritonserver_args(str(self.model_repository))
         assert set(ports) <= set(args), args
@@ -336,8 +336,7 @@ class ServingRuntimeTriton(LocalTriton):
     def server_command(self) -> list[str]:
         home = tritonserver_home()
         return [str(home / "bin" / "tritonserver"), *self.runtime_args(),
-                "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1",
-                f"--backend-directory={home / 'backends'}"]
+                "--metrics-address=127.0.0.1", f"--backend-directory={home / 'backends'}"]
 
 
 def test_a_version_in_object_storage_is_served_as_kserve_serves_it(store, s3env, tmp_path):
