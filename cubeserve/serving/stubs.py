@@ -11,6 +11,7 @@ endpoint answers 200. The supervisor and the predict model watch the stubs with 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import math
 import os
 import re
@@ -150,6 +151,14 @@ def remove_regions(regions) -> list[str]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def release_backend_objects() -> None:
+    """Free now, from finalize, what the stub's Python still holds of its shared memory (requests,
+    tensors, response senders left in reference cycles). The stub unmaps that memory before its
+    interpreter is torn down; an object freed then writes to the unmapped pool's lock and the stub
+    segfaults at every unload and stop."""
+    gc.collect()
 
 
 def end_this_process_after(seconds: float) -> None:

@@ -105,8 +105,13 @@ class Reply:
             try:
                 self._sender.send(response, flags=FINAL if final else 0)
             finally:
-                if final and self._drain is not None:
-                    self._drain.add(-1)
+                if final:
+                    if self._drain is not None:
+                        self._drain.add(-1)
+                    # The request and its sender hold the stub's shared memory: let them go now.
+                    # One still referenced when the stub exits (a callback's closure, a cycle)
+                    # is freed after that memory is unmapped, and the stub segfaults.
+                    self.request = self._sender = None
             return True
 
     def client_gone(self) -> bool:

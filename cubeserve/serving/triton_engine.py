@@ -36,7 +36,7 @@ from cubeserve.serving import protocol
 from cubeserve.serving.cpu_share import engine_processes
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
 from cubeserve.serving.repository import version_settings
-from cubeserve.serving.stubs import end_this_process_after
+from cubeserve.serving.stubs import end_this_process_after, release_backend_objects
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
 from cubeserve.serving.triton_metrics import Measurements, kept, locked
 
@@ -276,4 +276,7 @@ class EngineModel:
         self.scheduler.stop()
         pb_utils.Logger.log_info(f"cube3d engine of version {self.version} stopped in "
                                  f"{time.monotonic() - started:.1f} s")
+        with self.forwarded_lock:
+            self.forwarded.clear()
+        release_backend_objects()
         end_this_process_after(EXIT_GRACE_S)

@@ -40,7 +40,7 @@ from cubeserve.serving import agreement, experiment, protocol
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving.experiment import Experiment
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
-from cubeserve.serving.stubs import stub_alive
+from cubeserve.serving.stubs import release_backend_objects, stub_alive
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters
 from cubeserve.serving.triton_metrics import Measurements
 
@@ -451,3 +451,6 @@ class PredictModel:
     def finalize(self):
         self.stopping.set()
         self.watchdog.join(2 * WATCH_INTERVAL_S)
+        with self.pending_lock:
+            self.pending.clear()
+        release_backend_objects()
