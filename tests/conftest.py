@@ -11,10 +11,30 @@ import os
 # waiting only costs timing, which no test asserts. It must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Parallel workers (pytest-xdist: `make test` runs two): each picks its servers' ports in a range
+# of its own, below the kernel's ephemeral ports (cubeserve.serving.local_triton.free_port).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
+    _low = 10000 + 2000 * int(_WORKER[2:])
+    os.environ.setdefault("CUBESERVE_PORT_RANGE", f"{_low}-{_low + 1999}")
+
 import pytest  # noqa: E402
 
 from cubeserve.checkpoint import write_random_weights  # noqa: E402
 from cubeserve.engine import Engine  # noqa: E402
+
+
+# The test files that take longest, longest first (`make test`'s --durations, on 2 cores): run
+# first, so that with two workers (--dist loadfile hands out files in collection order) neither
+# ends the run alone on a long one. Only the order changes; a file not named keeps its place.
+SLOW_FIRST = ("test_pipeline.py", "test_image.py", "test_faults.py", "test_experiments.py", "test_batch.py",
+              "test_security.py", "test_demo_model.py", "test_drain.py", "test_quantization.py", "test_gateway.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    order = {item: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[item]))
 
 
 @pytest.fixture(scope="session")
@@ -92,3 +112,20 @@ def float32_shortfall(make_engine):
     # the CPU; a token stream from another prompt falls short by 0.25 and more).
     shortfall.bfloat16_bound = 0.05
     return shortfall
+
+
+# -- python backend stub crashes over the whole run: counted, and none allowed (tests/stub_crashes.py)
+
+import stub_crashes  # noqa: E402
+
+
+def pytest_configure(config):
+    stub_crashes.configure(config)
+
+
+def pytest_sessionfinish(session):
+    stub_crashes.finish(session)
+
+
+def pytest_terminal_summary(terminalreporter):
+    stub_crashes.summary(terminalreporter)

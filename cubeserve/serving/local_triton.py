@@ -9,6 +9,7 @@ first on PATH (it ignores PYTHONPATH), so the running interpreter's `bin` goes f
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -56,10 +57,38 @@ def _cmdline(pid: int) -> bytes | None:
         return None
 
 
+# "LOW-HIGH": free_port() picks in this range instead of asking the kernel. The tests' parallel
+# workers each get a range of their own below the kernel's ephemeral ports (tests/conftest.py):
+# with the kernel's pick, two workers could be handed one port between one's pick and its bind.
+PORT_RANGE_ENV = "CUBESERVE_PORT_RANGE"
+_next_port = [None]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing listens on now (for a server about to start)."""
+    span = os.environ.get(PORT_RANGE_ENV)
+    if not span:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low, high = (int(p) for p in span.split("-"))
+    if _next_port[0] is None:  # each process from its own place (a child may pick while its parent does)
+        _next_port[0] = random.randrange(high - low + 1)
+    for _ in range(high - low + 1):  # in turn through the range: a port given out is not reused soon
+        port = low + _next_port[0] % (high - low + 1)
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port in ${PORT_RANGE_ENV}={span}")
+
+
+# Set by tests/conftest.py: every server started here keeps a log, in this folder unless it is
+# given one (which the folder then links to), so that the run can count the crashes they show.
+SERVER_LOGS_ENV = "CUBESERVE_SERVER_LOGS"
 
 
 class LocalTriton:
@@ -167,6 +196,13 @@ class LocalTriton:
 
     def start(self, timeout: float = 300.0) -> "LocalTriton":
         prepare_python_backend(tritonserver_home())
+        logs = os.environ.get(SERVER_LOGS_ENV)
+        if logs:
+            entry = Path(logs) / f"tritonserver-{os.getpid()}-{time.monotonic_ns()}.log"
+            if self.log_path:
+                entry.symlink_to(self.log_path.resolve())
+            else:
+                self.log_path = entry
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "wb")
@@ -210,13 +246,21 @@ class LocalTriton:
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
+            killed = []
             for pid, cmdline in tree.items():
                 if cmdline and _cmdline(pid) == cmdline:  # still the same process
                     try:
                         os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
                     except ProcessLookupError:
                         pass
             self.process.wait()
+            if self._log_file:  # the supervisor, killed too, cannot say how tritonserver ended
+                servers = [pid for pid in killed if os.path.basename(tree[pid].split(b"\0")[0]) == b"tritonserver"]
+                now = time.time()
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
+                self._log_file.write("".join(f"{stamp} cubeserve local server: tritonserver (pid {pid}) killed, "
+                                             f"{timeout:g} s after SIGTERM\n" for pid in servers).encode())
         if self._log_file:
             self._log_file.close()
 

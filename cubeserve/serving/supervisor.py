@@ -162,6 +162,25 @@ def front_limits(open_files: int, connections: int | None = None, idle_s: float 
             GrpcLimits(connections=grpc_cap, calls=max(grpc_cap, 16), **idle))
 
 
+def _code_at(pid: int) -> str:
+    """Where a stub's code is mapped. A stub's crash is in no log but the kernel's, which names the
+    faulting thread's id (not always the stub's pid) and the code's mapping: "triton_python_b[TID]:
+    segfault at ... in libc.so.6[8c370,7fed9ca44000+156000]"; these name the stub it was."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read().splitlines()
+    except OSError:
+        return ""
+    found = {}
+    for line in maps:
+        fields = line.split()
+        name = os.path.basename(fields[5]) if len(fields) > 5 else ""
+        if fields[1].startswith("r-x") and (name == "triton_python_backend_stub" or name.startswith("libc.so")
+                                            or name.startswith("libc-")):
+            found.setdefault(name, fields[0].split("-")[0])
+    return "".join(f"; {name} code at {start}" for name, start in sorted(found.items()))
+
+
 def write_private(path: str, text: str) -> None:
     """`text` in a new file at `path` that only this user can read."""
     try:
@@ -227,6 +246,9 @@ class Supervisor:
         stubs = stub_processes(self.child.pid)
         if set(stubs) - set(self.stubs):
             self.regions |= shm_regions(set(stubs) - set(self.stubs))
+            for pid in sorted(set(stubs) - set(self.stubs)):
+                log.info("python backend stub %d: %s version %s (tritonserver pid %d%s)", pid,
+                         stubs[pid].parent.parent.name, stubs[pid].parent.name, self.child.pid, _code_at(pid))
         self.stubs.update(stubs)
         alive = {(path.parent.parent.name, path.parent.name) for path in stubs.values()}
         vanished = seen - alive
@@ -271,6 +293,8 @@ class Supervisor:
             started = time.monotonic()
             self.child = subprocess.Popen(self.command, env=self.env, preexec_fn=ends_with_this_process())
             code, fault = self._watch()
+            log.info("tritonserver (pid %d) ended with %s", self.child.pid,
+                     f"signal {-code}" if code < 0 else f"exit code {code}")
             clear_markers(self.child.pid)
             if kill_leftover_stubs(self.stubs):
                 log.warning("killed python backend stubs that outlived tritonserver")
@@ -303,6 +327,7 @@ class Supervisor:
                           f"signal {-code}" if code < 0 else f"exit code {code}")
                 return code, "tritonserver crashed"
             if self._stop.is_set():
+                log.info("stopping tritonserver (pid %d)", self.child.pid)
                 return self._wait_for_shutdown(), None
             try:
                 seen, dead = self.dead_models(seen)  # also records the stubs, to reap any that outlive it
@@ -346,6 +371,7 @@ class Supervisor:
                 return 0
 
     def _terminate(self) -> None:
+        log.info("stopping tritonserver (pid %d)", self.child.pid)
         self.child.send_signal(signal.SIGTERM)
         try:
             self.child.wait(self.fault_grace_s)
