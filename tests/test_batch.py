@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -250,51 +249,60 @@ def test_retry_failed_runs_only_the_failed_rows_and_their_new_record_wins(first_
     assert len(results.read(str(tmp / "out"))) == 12  # the first run's 10, then these 2
 
 
-def _decode_actor_pids() -> list[int]:
-    """The live processes of decode actors (this run's, and any of an earlier run that Ray has not
-    reaped yet). A process may end or turn into a zombie while it is looked at: skipped."""
-    import psutil
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
-    pids = []
-    for p in psutil.Process().children(recursive=True):
+
+class _DiesHoldingItsFirstBatch:
+    """A DecodeStage whose process SIGKILLs itself once, the first time one of its kind has
+    decoded a batch and not yet handed it on (a marker file says it happened, and which pid).
+    The kill used to come from the driver at the first record, but the decode actor can have
+    finished every batch by then (decode runs ahead of geometry), so the test sometimes had
+    nothing to kill; from inside, the actor dies holding a batch, with the rest still to decode."""
+
+    marker = ""
+
+    def __call__(self, batch):
+        out = super().__call__(batch)
         try:
-            if p.status() != psutil.STATUS_ZOMBIE and "DecodeStage" in " ".join(p.cmdline()):
-                pids.append(p.pid)
-        except psutil.Error:
-            pass
-    return pids
+            fd = os.open(self.marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return out
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_decode_actor_killed_mid_run_is_replaced_and_no_row_is_lost_or_recorded_twice(local_ray, tmp_path):
-    """The decode actor's process is killed (SIGKILL) once the first records are in, with most
+def test_a_decode_actor_killed_mid_run_is_replaced_and_no_row_is_lost_or_recorded_twice(local_ray, tmp_path,
+                                                                                       monkeypatch):
+    """The decode actor's process is killed (SIGKILL) holding its first decoded batch, with most
     rows still to decode: Ray Data restarts the actor and retries the batch it held; the run
     ends with every row recorded exactly once and every mesh written."""
+    import sys
+
+    import ray.cloudpickle
+
+    from cubeserve.batch import stages
+
     n = 24
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": PROMPTS[i % 8], "seed": i} for i in range(n)])
-    killed, after = [], []
-
-    def kill_once(record):
-        # Under a loaded machine the first record can come while an earlier run's actor is still
-        # being reaped (two processes), or while this run's is between two process titles (none
-        # for a moment): every decode actor alive is killed, this run's among them.
-        if not killed:
-            deadline = time.monotonic() + 30
-            while not (pids := _decode_actor_pids()):
-                assert time.monotonic() < deadline, "no decode actor process at the first record"
-                time.sleep(0.05)
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
-            killed.append((pids, len(after)))
-        after.append(record["id"])
-
-    summary = run(prompts, settings(tmp_path / "out"), progress=False, on_record=kill_once)
-    assert killed and killed[0][1] == 0  # killed at the first record: 20 and more rows to go
+    dying = type("DecodeStage", (_DiesHoldingItsFirstBatch, stages.DecodeStage), {"marker": str(tmp_path / "killed")})
+    dying.__module__ = __name__
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this file
+    monkeypatch.setattr(stages, "DecodeStage", dying)  # what build_dataset maps the batches with
+    try:
+        summary = run(prompts, settings(tmp_path / "out"), progress=False)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    killed = int((tmp_path / "killed").read_text())
     recorded = [r["id"] for r in table(tmp_path / "out")]
     assert sorted(recorded) == [f"{i:06d}" for i in range(n)]  # each once
     assert summary.done == n and summary.failed == 0
     assert len(list((tmp_path / "out").glob("*.glb"))) == n
-    # The replacement is a new process (the killed ones are gone) and it decoded the rest.
-    assert not set(killed[0][0]) & set(_decode_actor_pids())
+    assert not _alive(killed)  # the replacement, a new process, decoded the batch it held and the rest
 
 
 def test_the_object_store_holds_the_prompts_the_weights_by_version_and_the_output(local_ray, object_store, tmp_path):
@@ -604,3 +612,132 @@ def test_without_the_batch_role_the_step_is_refused(kuberay):
     with pytest.raises(ApiException) as refused:
         run_step()
     assert refused.value.status == 403 and not stub.created
+
+
+# -- a row failing in each stage: the stages in this process, no Ray --------------------------------
+
+@pytest.fixture(scope="module")
+def stages_in_process():
+    """The pipeline's stages as the actors hold them, built once: the decode stage with one slot,
+    so that a failure injected for one row's admission or decode step meets that row alone."""
+    from cubeserve.batch.stages import DecodeStage, GeometryStage
+
+    return (DecodeStage(str(DEMO_MODEL), device="cpu", dtype="float32", max_objects=1),
+            GeometryStage(str(DEMO_MODEL)))
+
+
+FAILING_ROW = "bad"
+
+
+def run_failing_one_row(tmp_path, monkeypatch, stages) -> tuple:
+    """`run` over four rows (FAILING_ROW second, its resolution 5 and the others' 4), batches of
+    four taken through the real stages in this process in the order Ray Data chains them; returns
+    the run's summary and the results table's records by id."""
+    from cubeserve.batch import run as run_mod
+    from cubeserve.batch.stages import write_outputs
+
+    decode, geometry = stages
+    out = tmp_path / "out"
+    records = [{"id": "good-0", "prompt": PROMPTS[0]}, {"id": FAILING_ROW, "prompt": PROMPTS[1], "resolution": 5},
+               {"id": "good-1", "prompt": PROMPTS[2]}, {"id": "good-2", "prompt": PROMPTS[3]}]
+    prompts = write_jsonl(tmp_path / "p.jsonl", records)
+
+    class InProcess:
+        def __init__(self, table, s):
+            self.table, self.out = table, s.out
+            self.size = s.batch_size
+
+        def iter_batches(self, **kw):
+            for i in range(0, self.table.num_rows, self.size):
+                yield write_outputs(geometry(decode(self.table.slice(i, self.size))), self.out)
+
+    monkeypatch.setattr(run_mod, "start_ray", lambda s: (False, 0.0))
+    monkeypatch.setattr(run_mod, "build_dataset", InProcess)
+    summary = run_mod.run(prompts, settings(out), progress=False)
+    recorded = {r["id"]: r for r in table(out)}
+    assert sorted(recorded) == sorted(r["id"] for r in records)  # each row once, the failed one too
+    return summary, recorded
+
+
+def assert_only_the_failing_row_failed(summary, recorded, error: str, out) -> dict:
+    assert (summary.done, summary.failed) == (3, 1), summary.text()
+    assert summary.errors == {FAILING_ROW: recorded[FAILING_ROW]["error"]}
+    bad = recorded[FAILING_ROW]
+    assert bad["error"] is not None and bad["error"].startswith(error), bad["error"]
+    assert bad["mesh_uri"] is None
+    assert bad["write_s"] is None or error.startswith("write: ")  # timed when a write was tried
+    assert not (out / f"{FAILING_ROW}.glb").is_file()
+    for row_id in ("good-0", "good-1", "good-2"):
+        good = recorded[row_id]
+        assert good["error"] is None and good["faces"] > 0, good
+        assert good["mesh_uri"] == str(out / f"{row_id}.glb")
+        assert (out / f"{row_id}.glb").read_bytes()[:4] == b"glTF"
+    return bad
+
+
+def test_a_rows_failed_admission_is_its_error_and_the_rows_beside_it_go_on(tmp_path, monkeypatch,
+                                                                          stages_in_process):
+    runner = stages_in_process[0].runner
+    admit = runner.admit
+
+    def failing_admit(requests):
+        if any(r.resolution == 5 for r in requests):
+            raise RuntimeError("injected: out of memory in CLIP")
+        return admit(requests)
+
+    monkeypatch.setattr(runner, "admit", failing_admit)
+    summary, recorded = run_failing_one_row(tmp_path, monkeypatch, stages_in_process)
+    bad = assert_only_the_failing_row_failed(summary, recorded, "decode: injected: out of memory in CLIP",
+                                             tmp_path / "out")
+    assert bad["tokens"] is None and bad["decode_s"] is None
+
+
+def test_a_rows_failed_decode_step_is_its_error_and_the_rows_beside_it_go_on(tmp_path, monkeypatch,
+                                                                            stages_in_process):
+    runner = stages_in_process[0].runner
+    admit, step = runner.admit, runner.step
+    in_slot = []  # the request admitted last: one slot, so the one being decoded
+
+    def admit_and_note(requests):
+        in_slot[:] = requests
+        return admit(requests)
+
+    def failing_step(*args, **kwargs):
+        if any(r.resolution == 5 for r in in_slot):
+            raise RuntimeError("injected: a kernel failed")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "admit", admit_and_note)
+    monkeypatch.setattr(runner, "step", failing_step)
+    summary, recorded = run_failing_one_row(tmp_path, monkeypatch, stages_in_process)
+    bad = assert_only_the_failing_row_failed(summary, recorded, "decode: injected: a kernel failed", tmp_path / "out")
+    assert bad["tokens"] is None and bad["decode_s"] is None
+    assert runner.free_slots == [0]  # the failed row's slot was released
+
+
+def test_a_rows_failed_geometry_is_its_error_and_the_rows_beside_it_go_on(tmp_path, monkeypatch,
+                                                                         stages_in_process):
+    geometry = stages_in_process[1]
+    tokens_to_meshes = geometry.tokens_to_meshes
+
+    def failing(tokens, resolutions, **kwargs):
+        if resolutions == [5]:
+            raise RuntimeError("injected: marching cubes failed")
+        return tokens_to_meshes(tokens, resolutions, **kwargs)
+
+    monkeypatch.setattr(geometry, "tokens_to_meshes", failing)
+    summary, recorded = run_failing_one_row(tmp_path, monkeypatch, stages_in_process)
+    bad = assert_only_the_failing_row_failed(summary, recorded, "geometry: injected: marching cubes failed",
+                                             tmp_path / "out")
+    assert len(bad["tokens"]) > 0 and bad["faces"] is None  # decoded, not meshed
+
+
+def test_a_rows_failed_mesh_write_is_its_error_and_the_rows_beside_it_are_written(tmp_path, monkeypatch,
+                                                                                 stages_in_process):
+    """A real failure of the store: a directory where the row's mesh file goes, so that the
+    rename that replaces the file fails (storage.write_bytes)."""
+    (tmp_path / "out" / f"{FAILING_ROW}.glb" / "in-the-way").mkdir(parents=True)
+    summary, recorded = run_failing_one_row(tmp_path, monkeypatch, stages_in_process)
+    bad = assert_only_the_failing_row_failed(summary, recorded, "write: ", tmp_path / "out")
+    assert "Is a directory" in bad["error"] or "Directory not empty" in bad["error"], bad["error"]
+    assert bad["faces"] > 0  # meshed, not written
