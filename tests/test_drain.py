@@ -401,3 +401,52 @@ def test_a_drained_server_held_by_an_idle_connection_is_stopped_after_the_grace(
     finally:
         server.stop(timeout=30)
 
+
+
+# -- the settle time: the drain's own loop, on a clock of the test's --------------------------------
+
+class _Clock:
+    """time as cubeserve.serving.drain uses it, advanced only by its sleeps."""
+
+    def __init__(self):
+        self.elapsed = 0.0
+
+    def monotonic(self) -> float:
+        return 1000.0 + self.elapsed
+
+    def time(self) -> float:
+        return 1.7e9 + self.elapsed
+
+    def sleep(self, seconds: float) -> None:
+        self.elapsed += seconds
+
+
+def _drain_with_nothing_in_flight(monkeypatch, tmp_path, run) -> tuple[int, list[float], _Clock]:
+    """`run()` (a drain) against a server with no request in progress from the first look:
+    (its exit status, the clock at each look at the metrics, the clock)."""
+    from cubeserve.serving import drain as drain_module
+
+    clock, looks = _Clock(), []
+    monkeypatch.setattr(drain_module, "time", clock)
+    monkeypatch.setattr(drain_module, "find_tritonserver", lambda port: 4242)
+    monkeypatch.setattr(drain_module, "marker_path", lambda pid: tmp_path / f"marker-{pid}")
+    monkeypatch.setattr(drain_module, "in_progress", lambda url: looks.append(clock.elapsed) or 0)
+    status = run(drain_module)
+    assert (tmp_path / "marker-4242").exists()  # new requests were refused from the start
+    return status, looks, clock
+
+
+def test_a_drain_with_nothing_in_flight_still_waits_the_settle_time(monkeypatch, tmp_path):
+    """While the endpoints drop the pod (the settle time) new connections must still get a clean
+    503 from a live server: the drain returns no sooner, though nothing was in flight, and at its
+    first look past the settle time (no later)."""
+    out = io.StringIO()
+    status, looks, clock = _drain_with_nothing_in_flight(
+        monkeypatch, tmp_path, lambda d: d.drain(8010, 8002, timeout=60, settle=2.0, poll=0.5, out=out))
+    assert status == 0 and looks == [0.0, 0.5, 1.0, 1.5, 2.0] and clock.elapsed == 2.0
+    assert "drained in 2.0 s" in out.getvalue()
+    # The command line's --settle, and deploy.DRAIN_SETTLE_S without it (the preStop hook's).
+    status, looks, clock = _drain_with_nothing_in_flight(monkeypatch, tmp_path, lambda d: d.main(["--settle", "1"]))
+    assert status == 0 and looks[-1] == clock.elapsed == 1.0
+    status, looks, clock = _drain_with_nothing_in_flight(monkeypatch, tmp_path, lambda d: d.main([]))
+    assert status == 0 and looks[-1] == clock.elapsed == deploy.DRAIN_SETTLE_S > 0

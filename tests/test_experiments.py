@@ -350,3 +350,72 @@ def test_a_hung_then_dead_shadow_never_fails_served_requests(server_to_break):
     assert all(r.model_version == "1" for r in served)  # still serving
     # a copy to a dead engine: ended, not waited on forever
     wait_until(lambda: copies("unavailable") - before_gone >= 1, 30, "a copy to the dead shadow ended", poll=0.5)
+
+
+# -- the salt: no server ----------------------------------------------------------------------------
+
+def test_experiments_with_different_salts_assign_users_independently():
+    """A user's arm comes from SHA-256(salt, key): two experiments (or one whose salt is changed,
+    its name kept) split a population independently of each other. 2000 users, two 50/50 arms:
+    were the two assignments independent, the users on the same arm in both would be
+    Binomial(2000, 1/2) (mean 1000, sd 22.4) and each of the four (arm, arm) cells
+    Binomial(2000, 1/4) (mean 500, sd 19.4); the bounds below are 6.7 and 6.2 sd wide (each
+    exceeded by chance with probability below 1e-9; the hash of fixed keys makes the outcome the
+    same on every run). The same salt (or none: the name) gives every user the same arm."""
+    from collections import Counter
+
+    def ab(**fields) -> experiment.Experiment:
+        return experiment.parse(json.dumps({"arms": [{"name": "a", "version": 1, "weight": 50},
+                                                     {"name": "b", "version": 2, "weight": 50}], **fields}))
+
+    users = [f"user-{i}" for i in range(2000)]
+    first = ab(name="checkout", salt="2024-q1")
+    resalted = ab(name="checkout", salt="2024-q2")  # the same experiment, its users reshuffled
+    other = ab(name="search")  # another experiment, salted by its name
+    for one, two in ((first, resalted), (first, other), (resalted, other)):
+        pairs = Counter((one.arm_for(u).name, two.arm_for(u).name) for u in users)
+        agree = pairs["a", "a"] + pairs["b", "b"]
+        assert 850 <= agree <= 1150, (one.salt, two.salt, pairs)
+        assert all(380 <= pairs[cell] <= 620 for cell in [("a", "a"), ("a", "b"), ("b", "a"), ("b", "b")]), pairs
+    for e in (first, resalted, other):
+        assert 850 <= sum(e.arm_for(u).name == "a" for u in users) <= 1150
+    # The salt is what decides: kept (or written out as the name it defaults to), nothing moves.
+    assert [first.arm_for(u) for u in users] == [ab(name="renamed", salt="2024-q1").arm_for(u) for u in users]
+    assert [other.arm_for(u) for u in users] == [ab(name="x", salt="search").arm_for(u) for u in users]
+    assert experiment.parse(first.to_json()).salt == "2024-q1"
+
+
+def test_a_fast_shadow_that_finishes_first_never_answers(server):
+    """The reverse of the slow shadow: the served arm is the slow version 4 (1024 shape tokens)
+    and the shadow the fast version 1 (32), so the copy finishes long before the served answer.
+    That it did is seen on the server itself before the answer: the copy is measured while the
+    served request is not yet counted (both are counted before anything is sent). The answer is
+    then version 4's, by arm control, with its 1024 tokens; the shadow's would say version 1."""
+    set_experiment(server, {"name": "fast-shadow", "arms": [{"name": "control", "version": 4, "weight": 1}],
+                            "shadow": {"version": 1, "share": 1.0}})
+    measured = [(names.SHADOW_REQUESTS, dict(version=1, baseline=4)),
+                (names.REQUESTS, dict(model="cube3d", version=4, arm="control"))]
+    for attempt in range(3):
+        copies_before, served_before = counts(server, *measured)
+        result: dict = {}
+        client = threading.Thread(target=lambda: result.update(answer=generate(server, f"fast-shadow-{attempt}")))
+        client.start()
+
+        def copy_measured_or_request_counted() -> bool:
+            copies, served = counts(server, *measured)
+            return copies > copies_before or served > served_before
+
+        wait_until(copy_measured_or_request_counted, 300, "the shadow copy measured or the request answered",
+                   poll=0.2)
+        # In this order: the copy measured, then the served request still not counted.
+        copy_first = (counts(server, measured[0])[0] > copies_before
+                      and counts(server, measured[1])[0] == served_before)
+        client.join(300)
+        answer = result["answer"]
+        assert (answer.model_version, answer.arm, len(answer.tokens)) == ("4", "control", SLOW.num_tokens), (
+            answer.model_version, answer.arm, len(answer.tokens))
+        if copy_first:
+            break
+    else:
+        pytest.fail("in 3 tries the shadow copy (32 tokens) never finished before the served request (1024)")
+    assert counts(server, measured[1])[0] == served_before + 1  # measured before it was sent

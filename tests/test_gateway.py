@@ -668,3 +668,39 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
              "/v2/trace/setting", "/v2/models/cube3d/trace/setting", "/v2/models/stats", "/v2/models/cube3d/stats",
              "/v2/models/cube3d/versions/1/stats", "/v2/repository/models/cube3d/load"]
     assert not any(allowed.fullmatch(p) for p in admin)
+
+
+def test_the_clients_tenant_header_is_removed_before_anything_reads_it(start, monkeypatch):
+    """The gateway's second guard on identity: the client's tenant header is removed by an early
+    header mutation, before the route is chosen and before any filter runs. With api_key_auth in
+    place no request can tell whether it is there (the filter replaces the header with setCopy,
+    every value of it, and answers 401 without a key; tried by hand against Envoy 1.40 with the
+    strip removed: the header twice, in capitals, as a chunked trailer, all with a key: the
+    backend saw the key's tenant each time), so it is checked on its own: the rendered
+    configuration, then the real Envoy with that configuration less api_key_auth, where a
+    claimed tenant must select no tenant's route and reach no backend."""
+    from cubeserve.gateway import envoy as envoy_module
+
+    cfg = gateway_config.parse({"listen": "127.0.0.1:1", "model": "v0.1", "backends": ["127.0.0.1:2"],
+                                "tenants": [tenant("team-a")]})
+    [edge] = [listener for listener in render(cfg)["static_resources"]["listeners"] if listener["name"] == "edge"]
+    [hcm] = [f["typed_config"] for f in edge["filter_chains"][0]["filters"]]
+    [early] = hcm["early_header_mutation_extensions"]
+    assert early["typed_config"]["mutations"] == [{"remove": TENANT_KEY}]
+
+    def without_api_key_auth(config):
+        rendered = render(config)
+        for listener in rendered["static_resources"]["listeners"]:
+            for chain in listener["filter_chains"]:
+                for f in chain["filters"]:
+                    filters = f["typed_config"]["http_filters"]
+                    filters[:] = [h for h in filters if h["name"] != "envoy.filters.http.api_key_auth"]
+        return rendered
+
+    monkeypatch.setattr(envoy_module, "render", without_api_key_auth)
+    backend = start.stub("b1")
+    g = start([backend.address], [tenant("team-a")])
+    for claimed in ({TENANT_KEY: "team-a"}, {"X-Cube3D-Tenant": "team-a"}):
+        status, _, body = call(g, headers=claimed)
+        assert status == 404, (claimed, status, body)  # no tenant's route: the header was gone
+    assert backend.requests() == []

@@ -38,7 +38,9 @@ import pytest
 import image_build as ib
 from cubeserve import deploy
 
-pytestmark = pytest.mark.image  # minutes: `make test-quick` leaves this module out
+# minutes: `make test-quick` leaves this module out; the build (the first test's set-up) may take
+# longer than the suite's 900 s per test while another worker runs beside it
+pytestmark = [pytest.mark.image, pytest.mark.timeout(1800)]
 
 
 # -- the build context (static) ----------------------------------------------------------------------------

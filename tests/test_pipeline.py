@@ -540,3 +540,26 @@ def test_every_step_has_typed_inputs_and_outputs():
         for name in inspect.signature(func).parameters:
             assert name in hints, f"{func.__name__}: input {name} has no type"
         assert "return" in hints and hints["return"] is not None, f"{func.__name__}: untyped output"
+
+
+def test_nothing_is_packaged_registered_or_rolled_out_before_the_gate_passes(compiled):
+    # A cluster runs a component's tasks side by side unless a task names another in
+    # dependentTasks (the local pod runner happens to run them in order): package must wait for
+    # the gate (`.after(passed)`, it takes none of the gate's outputs), and what follows package
+    # waits through it.
+    spec, _ = compiled
+    (dag,) = [c["dag"]["tasks"] for c in [spec["root"], *spec["components"].values()]
+              if "gate" in ((c.get("dag") or {}).get("tasks") or {})]
+
+    def upstream(name: str) -> set[str]:
+        seen, todo = set(), list(dag[name].get("dependentTasks", []))
+        while todo:
+            task = todo.pop()
+            if task not in seen:
+                seen.add(task)
+                todo.extend(dag[task].get("dependentTasks", []))
+        return seen
+
+    assert "gate" in dag["package"].get("dependentTasks", []), dag["package"].get("dependentTasks")
+    for step in ("package", "register", "roll-out"):
+        assert "gate" in upstream(step), (step, upstream(step))

@@ -801,3 +801,26 @@ def test_all_bodies_together_are_bounded(tmp_path):
         held.close()
     finally:
         front.stop()
+
+
+def _nested(levels: int) -> bytes:
+    """A JSON document `levels` deep: an object holding lists inside lists."""
+    return b'{"ready": false, "x": ' + b"[" * (levels - 1) + b"]" * (levels - 1) + b"}"
+
+
+def test_an_admin_body_nested_past_the_limit_is_refused_by_name():
+    """The admin APIs' bodies are free-form (no field checks as for infer): only the depth
+    bound of rewrite_body keeps what the front end forwards to tritonserver shallow."""
+    body, _ = rewrite_body("admin", _nested(32), None)
+    assert json.loads(body)["ready"] is False  # as deep as allowed: forwarded
+    with pytest.raises(Refused) as refused:
+        rewrite_body("admin", _nested(33), None)
+    assert refused.value.status == 400 and str(refused.value) == "body: nested deeper than 32 levels"
+
+
+def test_an_admin_body_with_the_key_nested_too_deeply_gets_400_through_the_server(server):
+    headers = {**server.admin_headers, "Content-Type": "application/json"}
+    status, reply = call(server.http_url, "/v2/repository/index", _nested(40), headers, "POST")
+    assert status == 400 and json.loads(reply)["error"] == "body: nested deeper than 32 levels", (status, reply)
+    status, reply = call(server.http_url, "/v2/repository/index", _nested(32), headers, "POST")
+    assert status == 200 and {m["name"] for m in json.loads(reply)} >= {"cube3d", "cube3d_stream"}, reply
