@@ -136,9 +136,12 @@ def cmd_serve(args) -> int:
     server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True, supervised=True,
                          admin_key_file=key_file)
     server.start(timeout=args.timeout)
-    _wait_then_stop(server, f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
-                            f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
-                            f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it")
+    try:
+        _wait_then_stop(server, f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
+                                f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
+                                f"{deploy.ADMIN_HEADER} with the key in {key_file}; Ctrl-C stops it")
+    finally:
+        key_file.unlink(missing_ok=True)  # the supervisor's to remove; gone also if it was killed
     return 0
 
 
