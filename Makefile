@@ -17,12 +17,15 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# Two workers (pytest-xdist), a test file each at a time: much of the suite waits on servers,
+# builds and downloads. The cluster tests are `make cluster-test`.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q --durations=30  # the slowest tests, to keep the suite within its time
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster" --durations=30  # the slowest 30, to keep the suite within its time
 
 # The inner loop: everything but the image build (tests/test_image.py, marker `image`).
 test-quick: install
-	$(PY) -m pytest -q -m "not image"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # tiny random demo weights are written into the version directories on first use.
@@ -102,3 +105,16 @@ image-test: install
 
 clean:
 	rm -rf outputs triton_models/*/[0-9]*/weights
+
+# A real Kubernetes control plane for the cluster tests, built from Go modules with the machine's Go
+# (README, "Cluster tests"): kube-apiserver, -controller-manager, -scheduler, etcd, KWOK and KServe's
+# manager per release, into $CUBESERVE_CONTROL_PLANE_CACHE (default ~/.cache/cube-serve/control-plane);
+# what is built already is skipped.
+.PHONY: control-plane cluster-test
+control-plane:
+	nice -n 10 $(PYTHON) cluster/build.py
+
+# The manifests and `cubeserve rollout` against that control plane and KServe's own controller
+# (tests/test_cluster.py, marker `cluster`; not part of `make test`).
+cluster-test: install control-plane
+	$(PY) -m pytest -q -m cluster tests/test_cluster.py --durations=10

@@ -45,7 +45,9 @@
 * Per release (`release`, the tag modelled), read at each tag:
     - Raw PredictorReady (inference_service_status.go PropagateRawStatus: v0.14.0 298, v0.15.0
       328, v0.16.0/v0.17.0 341, v0.20.0 360): before v0.16.0 the Deployment's Available condition
-      as it is (v0.14.x also writes the Deployment's revision number as latestCreatedRevision);
+      as it is, but True without its reason and message (SetCondition marks True with MarkTrue;
+      v0.20.0 with MarkTrueWithReason) (v0.14.x also writes the Deployment's revision number as
+      latestCreatedRevision);
       from v0.16.0 Available, overridden by Progressing (False with a message, e.g.
       ProgressDeadlineExceeded: not ready; True with NewReplicaSetAvailable: ready; True with
       another reason: Unknown, from v0.20.0 only where Available is not True), Available False and
@@ -138,6 +140,8 @@ def raw_predictor_ready(release: str, deployment_conditions: list[dict]) -> dict
     available, progressing = found.get("Available"), found.get("Progressing")
     if _release(release) < (0, 16, 0):
         source = available or {"status": "Unknown"}
+        if source["status"] == "True":  # SetCondition: MarkTrue, which drops reason and message
+            return _condition("PredictorReady", "True")  # (v0.15.2 on a real cluster: tests/test_cluster.py)
         return _condition("PredictorReady", source["status"], source.get("reason", ""), source.get("message", ""))
     ready = _condition("PredictorReady", "False")
     if available and available["status"] == "True":

@@ -1214,7 +1214,10 @@ class StubApiServer:
                     after.pop("status", None)
                     unknown = [e for e in crd_errors(after, strict) if "Additional properties" in e]
                     if unknown and query.get("fieldValidation") == ["Strict"]:
-                        return self._error(400, "BadRequest", "strict decoding error: " + "; ".join(unknown))
+                        # As a real kube-apiserver (v1.36) answers a merge patch of a custom
+                        # object with an unknown field (tests/test_cluster.py): 422, the object quoted.
+                        return self._error(422, "Invalid", f'"" is invalid: patch: Invalid value: "{json.dumps(after)}": '
+                                           "strict decoding error: " + ", ".join(_unknown_fields(unknown)))
                     try:
                         stub.world.store.update(_pruned(body, unknown), manager)
                     except ApiError as exc:
@@ -1267,6 +1270,16 @@ class StubApiServer:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+def _unknown_fields(unknown: list[str]) -> list[str]:
+    """crd_errors' "Additional properties" errors as the API server names them: unknown field "spec.canary"."""
+    fields = []
+    for error in unknown:  # "InferenceService spec: Additional properties are not allowed ('canary' was unexpected)"
+        where, _, rest = error.partition(": ")
+        path = where.split(" ", 1)[1] + "." if " " in where else ""
+        fields += [f'unknown field "{path}{name}"' for name in rest.split("'")[1::2]]
+    return fields
 
 
 def _pruned(patch: dict, unknown: list[str]) -> dict:
@@ -1425,7 +1438,8 @@ def test_a_field_the_cluster_does_not_know_is_refused_never_pruned(tmp_path, mon
         # without it, the API server would have pruned spec.canary and answered 200.
         code, _ = cli_over_http(stub, tmp_path, monkeypatch, "canary", "--version", "2", "--percent", "0",
                                 "--skip-preflight")
-        assert code == 1 and "400" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert code == 1 and "422" in err and 'strict decoding error: unknown field "spec.canary"' in err, err
         assert world.isvc["spec"] == before["spec"]
     finally:
         stub.close()
@@ -1503,3 +1517,33 @@ def test_cli_ab_replaces_an_experiment_the_server_refuses(monkeypatch):
     assert code == 0 and out.startswith("ConfigMap cube3d-experiment: an experiment the server refuses -> "
                                         "experiment 'fixed'")
     assert written(cluster).name == "fixed"
+
+
+@per_release
+def test_raw_predictor_ready_unknown_while_the_stable_deployment_rolls_is_not_ready(release):
+    """A change of the stable predictor's pod template that keeps its storageUri (here an
+    annotation that reaches the template) rolls the Deployment: the phase stays stable (every pod
+    serves the spec's version), the new pod is not available yet. KServe v0.16.0-v0.19.x report
+    that as PredictorReady Unknown (PropagateRawStatus: Progressing True with a reason other than
+    NewReplicaSetAvailable, inference_service_status.go 397 at v0.16.0, v0.17.0 and v0.19.0;
+    v0.20.0 421 only where Available is not True): KServe has not said it is ready, so the tool
+    must not read it as ready. Before v0.16.0 and on v0.20.0 the old pod's Available says True."""
+    from cubeserve.rollout.state import condition_of
+
+    world = World("raw", release=release)
+    assert (world.state().phase, world.state().ready) == ("stable", True)
+    starts = len(world.kserve.model_starts)
+    world.store.update({"metadata": {"annotations": {"example.com/owner": "another team"}}}, "kubectl-edit")
+    world.kserve.reconcile()
+    assert len(world.kserve.model_starts) == starts + 1  # a new pod starts; the old one serves meanwhile
+    assert world.kserve.serving() == [(f"{BASE}/1/", 100)]
+    unknown = kserve_version("v0.16.0") <= kserve_version(release) < kserve_version("v0.20.0")
+    reported = condition_of(world.isvc, "PredictorReady")
+    assert (reported["status"], reported.get("reason")) == (
+        ("Unknown", "ReplicaSetUpdated") if unknown else
+        ("True", "MinimumReplicasAvailable" if kserve_version(release) >= kserve_version("v0.16.0") else None)), reported
+    state = world.state()
+    assert (state.phase, state.stable, state.failure) == ("stable", "1", None)
+    assert state.ready is (None if unknown else True), state
+    world.kserve.start_pods()
+    assert world.state().ready is True

@@ -43,7 +43,9 @@ def _status(rollout: Rollout, args, out) -> int:
     url = get(isvc, "status", "url") or "(no URL yet)"
     print(f"InferenceService {rollout.cluster.namespace}/{args.isvc} ({state.mode}) {url}", file=out)
     print(f"  {state.summary()}", file=out)
-    if state.phase != STABLE:
+    # A stable service whose pods are not available (a new one, none scheduled yet) says so too:
+    # KServe reports PredictorReady False for it.
+    if state.phase != STABLE or state.ready is False:
         ready = {True: "yes", False: "no", None: "not yet made by KServe"}[state.ready]
         print(f"  ready: {ready}", file=out)
     if state.failure:
@@ -141,6 +143,19 @@ def _change(rollout: Rollout, args, out) -> int:
     return DONE
 
 
+def _api_message(exc: Exception) -> str:
+    """The API server's own words: the `message` of the Status in the response body (e.g. which
+    field strict field validation refused), which the client's exception text leaves out."""
+    try:
+        message = str(json.loads(getattr(exc, "body", None) or "{}").get("message") or "")
+    except (ValueError, AttributeError, TypeError):
+        return ""
+    # A patch refused by strict field validation is quoted whole ('"" is invalid: patch: Invalid
+    # value: "{...the object...}": strict decoding error: unknown field "spec.canary"'): its
+    # verdict is the end.
+    return message.rpartition('": ')[2] if len(message) > 500 and '": ' in message else message
+
+
 def run_rollout(args, out=None) -> int:
     """The `cubeserve rollout` handler. Exit codes: 0 done (or nothing to do), 1 Kubernetes API
     error, 2 refused, 3 not ready yet, 4 (status) drift found."""
@@ -166,8 +181,9 @@ def run_rollout(args, out=None) -> int:
         if type(exc).__name__ != "ApiException" and type(exc).__module__.split(".")[0] not in ("kubernetes", "urllib3"):
             raise
         status = getattr(exc, "status", None)
-        print(f"error: {type(exc).__name__}: {' '.join(str(p) for p in (status, getattr(exc, 'reason', None) or exc) if p)}",
-              file=sys.stderr)
+        message = _api_message(exc)
+        print(f"error: {type(exc).__name__}: {' '.join(str(p) for p in (status, getattr(exc, 'reason', None) or exc) if p)}"
+              + (f": {message}" if message else ""), file=sys.stderr)
         if status == 409:
             print("the object changed while this command ran: run it again (if it persists, another field "
                   "manager owns a field this command writes: see the object's metadata.managedFields)",

@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""Builds the Kubernetes control plane the cluster tests run (tests/test_cluster.py), from Go
+modules only: kube-apiserver, kube-controller-manager, kube-scheduler, etcd, KWOK and KServe's
+controller manager (one per KServe release kept), with the machine's Go.
+
+    python3 cluster/build.py                 # everything (what `make control-plane` runs)
+    python3 cluster/build.py kubernetes kwok # some components; `kserve` is every KServe release,
+                                             # `kserve-v0.15.2` one of them
+    python3 cluster/build.py --check         # exit 1 if anything is not built
+
+Each component is a wrapper module in cluster/go/<name>-<version>/ (go.mod and go.sum pin every
+module; a `tool` line names each command). Binaries land in the cache folder
+$CUBESERVE_CONTROL_PLANE_CACHE (default $XDG_CACHE_HOME/cube-serve/control-plane, else
+~/.cache/cube-serve/control-plane), under <name>-<version>/bin/, with what the stack needs beside
+them under share/ (KWOK's stages, KServe's CRDs, configuration and webhook manifests, taken from
+the same module zips). A component whose stamp matches its wrapper, the Go version and the build
+settings is skipped, so a second run does nothing. Go's module and build caches are
+$GOMODCACHE / $GOCACHE where set (a machine's warm caches are reused), else <cache>/go/.
+Nothing here is committed but the wrappers and this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+WRAPPERS = Path(__file__).resolve().parent / "go"
+CACHE_ENV = "CUBESERVE_CONTROL_PLANE_CACHE"
+# Parallel compile jobs (go build -p). Each job of the Kubernetes build can take 1 GB and more:
+# 2 keeps the peak near 2 GB on a 2-core machine, and more cores would not help a 2-core one.
+JOBS_ENV = "CUBESERVE_CONTROL_PLANE_JOBS"
+# Bumped when what a build produces changes without the wrapper changing (flags, assets, patches).
+BUILD_FORMAT = 1
+
+
+def _k8s_ldflags(version: str) -> list[str]:
+    # What Kubernetes' own build (hack/lib/version.sh) stamps: `--version`, /version and the
+    # component-base version checks (e.g. the minimum compatibility version) read these.
+    minor = version.lstrip("v").split(".")[1]
+    flags = []
+    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [f"-X {pkg}.gitVersion={version}", f"-X {pkg}.gitMajor=1", f"-X {pkg}.gitMinor={minor}",
+                  f"-X {pkg}.gitTreeState=clean", f"-X {pkg}.buildDate=1970-01-01T00:00:00Z"]
+    return flags
+
+
+@dataclass(frozen=True)
+class Spec:
+    commands: dict[str, str]  # binary name -> package
+    ldflags: object = None  # version -> list of -X flags
+    module: str = ""  # the module whose zip holds the assets / the patched file
+
+
+SPECS = {
+    "kubernetes": Spec({"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
+                        "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
+                        "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler"}, _k8s_ldflags),
+    "etcd": Spec({"etcd": "go.etcd.io/etcd/server/v3"},
+                 lambda v: [f"-X go.etcd.io/etcd/api/v3/version.GitSHA={v}"]),
+    "kwok": Spec({"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, module="sigs.k8s.io/kwok"),
+    "kserve": Spec({"manager": "github.com/kserve/kserve/cmd/manager"}, module="github.com/kserve/kserve"),
+}
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str  # kubernetes, etcd, kwok, kserve
+    version: str  # v1.36.3, ...
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}-{self.version}"
+
+    @property
+    def wrapper(self) -> Path:
+        return WRAPPERS / self.key
+
+    @property
+    def spec(self) -> Spec:
+        return SPECS[self.name]
+
+    @property
+    def home(self) -> Path:
+        return cache_root() / self.key
+
+    def binary(self, command: str) -> Path:
+        return self.home / "bin" / command
+
+    @property
+    def share(self) -> Path:
+        return self.home / "share"
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
+    return base / "cube-serve" / "control-plane"
+
+
+def components() -> list[Component]:
+    """Every wrapper in cluster/go/, as <name>-<version> (KServe: one per release kept)."""
+    found = []
+    for path in sorted(WRAPPERS.glob("*/go.mod")):
+        name, _, version = path.parent.name.rpartition("-v")
+        if name not in SPECS:
+            raise SystemExit(f"{path.parent}: no build spec for {name!r} in cluster/build.py")
+        found.append(Component(name, "v" + version))
+    return found
+
+
+def component(name: str, version: str | None = None) -> Component:
+    """The component `name` (at `version`, needed where several are kept)."""
+    matches = [c for c in components() if c.name == name and version in (None, c.version)]
+    if len(matches) != 1:
+        raise KeyError(f"{name} {version or ''}: {len(matches)} wrappers in {WRAPPERS}")
+    return matches[0]
+
+
+def kserve_releases() -> list[str]:
+    """The KServe releases whose manager is built, newest first."""
+    key = lambda v: tuple(int(p) for p in v.lstrip("v").split("."))  # noqa: E731
+    return sorted((c.version for c in components() if c.name == "kserve"), key=key, reverse=True)
+
+
+def go_env(jobs: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    root = cache_root() / "go"
+    env.setdefault("GOMODCACHE", str(root / "mod"))
+    env.setdefault("GOCACHE", str(root / "build"))
+    # The machine's Go (README: Go is a test dependency); a wrapper needing a newer one fails
+    # with Go's own message instead of fetching a toolchain.
+    env.setdefault("GOTOOLCHAIN", "local")
+    env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed
+    jobs = jobs or int(os.environ.get(JOBS_ENV) or 2)
+    # -mod=readonly: go.mod and go.sum are the pins; a build never edits them.
+    env["GOFLAGS"] = f"-p={jobs} -trimpath -buildvcs=false -mod=readonly"
+    return env
+
+
+def go_version(env: dict[str, str]) -> str:
+    return subprocess.run(["go", "env", "GOVERSION"], env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def _stamp(comp: Component, env: dict[str, str]) -> str:
+    digest = hashlib.sha256()
+    for name in ("go.mod", "go.sum"):
+        path = comp.wrapper / name
+        digest.update(path.read_bytes() if path.exists() else b"")
+    spec = comp.spec
+    digest.update(json.dumps([BUILD_FORMAT, go_version(env), spec.commands,
+                              spec.ldflags(comp.version) if spec.ldflags else []]).encode())
+    return digest.hexdigest()
+
+
+def is_built(comp: Component, env: dict[str, str] | None = None) -> bool:
+    stamp = comp.home / "built.json"
+    if not stamp.exists() or not all(comp.binary(c).exists() for c in comp.spec.commands):
+        return False
+    return json.loads(stamp.read_text()).get("stamp") == _stamp(comp, env or go_env())
+
+
+class PeakMemory:
+    """The largest total resident memory of a process and its descendants, sampled every 0.2 s
+    (the go command runs the compiler and linker as children)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak_kib, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> int:
+        children: dict[int, list[int]] = {}
+        rss: dict[int, int] = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except OSError:
+                continue
+            pid = int(entry.name)
+            children.setdefault(int(fields["PPid"]), []).append(pid)
+            rss[pid] = int(fields.get("VmRSS", "0 kB").split()[0])
+        total, todo = 0, [self.pid]
+        while todo:
+            pid = todo.pop()
+            total += rss.get(pid, 0)
+            todo += children.get(pid, [])
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak_kib = max(self.peak_kib, self._tree())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_kib // 1024
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[float, int]:
+    """Runs a go command, its output to `log`; returns (seconds, peak MiB of its process tree)."""
+    start = time.monotonic()
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        memory = PeakMemory(proc.pid)
+        code = proc.wait()
+        peak = memory.stop()
+    if code:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise SystemExit(f"{' '.join(cmd[:3])} failed in {cwd} (exit {code}); the end of {log}:\n{tail}")
+    return time.monotonic() - start, peak
+
+
+def _module_dir(comp: Component, env: dict[str, str]) -> Path:
+    """Where the module zip of comp.spec.module (at the wrapper's version) is unpacked."""
+    out = subprocess.run(["go", "mod", "download", "-json", comp.spec.module], cwd=comp.wrapper, env=env,
+                         check=True, capture_output=True, text=True).stdout
+    return Path(json.loads(out)["Dir"])
+
+
+# KServe's manager binds its webhook server to every interface (cmd/manager/main.go passes only a
+# port to webhook.NewServer). The stack binds nothing but 127.0.0.1, so the manager is built from
+# a copy of KServe's Go sources with one line added, Host 127.0.0.1, through a replace line in a
+# copy of the wrapper's go.mod (-modfile; `go build -overlay` may not replace files in the module
+# cache). Nothing else in KServe changes; its dependencies are the wrapper's.
+_WEBHOOK_SERVER = "webhook.NewServer(webhook.Options{"
+
+
+def _kserve_loopback_modfile(comp: Component, module: Path) -> Path:
+    source = comp.home / "src"
+    for path in module.rglob("*.go"):
+        relative = path.relative_to(module)
+        if relative.parts[0] in ("cmd", "pkg") and not path.name.endswith("_test.go"):
+            (source / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, source / relative)
+    for name in ("go.mod", "LICENSE"):
+        shutil.copyfile(module / name, source / name)
+    main = source / "cmd" / "manager" / "main.go"
+    text = main.read_text()
+    if text.count(_WEBHOOK_SERVER) != 1:
+        raise SystemExit(f"{main}: expected one {_WEBHOOK_SERVER!r} to bind the webhook server to 127.0.0.1")
+    main.write_text(text.replace(_WEBHOOK_SERVER, _WEBHOOK_SERVER + '\n\t\t\tHost: "127.0.0.1", // cube-serve: loopback only'))
+    modfile = comp.home / "go.mod"
+    modfile.write_text((comp.wrapper / "go.mod").read_text() +
+                       f"\n// cluster/build.py: KServe's sources with the webhook server on 127.0.0.1\n"
+                       f"replace {comp.spec.module} => {source}\n")
+    shutil.copyfile(comp.wrapper / "go.sum", comp.home / "go.sum")
+    return modfile
+
+
+def _kwok_assets(comp: Component, module: Path) -> None:
+    # The kwok binary embeds no stages (kwokctl passes them): these are kwokctl's defaults, the
+    # "fast" ones (a scheduled pod is Running and Ready at once, a deleted one goes at once).
+    stages = ["node/fast/node-initialize.yaml", "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+              "pod/fast/pod-ready.yaml", "pod/fast/pod-complete.yaml", "pod/fast/pod-delete.yaml"]
+    text = "---\n".join((module / "kustomize" / "stage" / s).read_text() for s in stages)
+    (comp.share / "stages.yaml").write_text(text)
+
+
+def _kserve_assets(comp: Component, module: Path) -> None:
+    # The release's own CRDs (config/crd/full/, with its subfolders), its inferenceservice-config
+    # ConfigMap and its webhook configurations, from the module zip the manager was built from.
+    crds = comp.share / "crd"
+    crds.mkdir(parents=True)
+    for path in sorted((module / "config" / "crd" / "full").rglob("*.yaml")):
+        if path.name.startswith("serving.kserve.io_"):
+            shutil.copyfile(path, crds / path.name)
+    shutil.copyfile(module / "config" / "configmap" / "inferenceservice.yaml", comp.share / "inferenceservice-config.yaml")
+    shutil.copyfile(module / "config" / "webhook" / "manifests.yaml", comp.share / "webhook-manifests.yaml")
+
+
+def build(comp: Component, env: dict[str, str], say=print) -> dict:
+    """Builds one component (skipped when built); returns what was measured."""
+    if is_built(comp, env):
+        say(f"{comp.key}: built ({comp.home})")
+        return {"component": comp.key, "skipped": True}
+    if not comp.wrapper.joinpath("go.sum").exists():
+        raise SystemExit(f"{comp.wrapper}: no go.sum")
+    home = comp.home
+    shutil.rmtree(home, ignore_errors=True)
+    (home / "logs").mkdir(parents=True)
+    comp.share.mkdir()
+    log = home / "logs" / "build.log"
+    say(f"{comp.key}: downloading modules (log: {log})")
+    download_s, download_mib = _run(["go", "mod", "download"], comp.wrapper, env, log)
+    args = ["go", "build", "-ldflags", " ".join(["-s", "-w", *(comp.spec.ldflags(comp.version) if comp.spec.ldflags else [])])]
+    module = _module_dir(comp, env) if comp.spec.module else None
+    if comp.name == "kserve":
+        args.append(f"-modfile={_kserve_loopback_modfile(comp, module)}")
+    if comp.name == "kwok":
+        _kwok_assets(comp, module)
+    if comp.name == "kserve":
+        _kserve_assets(comp, module)
+    say(f"{comp.key}: compiling {', '.join(comp.spec.commands)}")
+    staging = Path(tempfile.mkdtemp(dir=home))
+    build_s, build_mib = 0.0, 0
+    for command, package in comp.spec.commands.items():
+        seconds, peak = _run([*args, "-o", str(staging / command), package], comp.wrapper, env, log)
+        build_s, build_mib = build_s + seconds, max(build_mib, peak)
+    staging.rename(home / "bin")
+    result = {"component": comp.key, "download_s": round(download_s, 1), "build_s": round(build_s, 1),
+              "peak_mib": max(download_mib, build_mib), "go": go_version(env),
+              "sizes_mib": {c: round(comp.binary(c).stat().st_size / 2**20, 1) for c in comp.spec.commands}}
+    (home / "built.json").write_text(json.dumps({"stamp": _stamp(comp, env), **result}, indent=1))
+    say(f"{comp.key}: download {download_s:.0f} s, compile {build_s:.0f} s, peak memory {result['peak_mib']} MiB")
+    return result
+
+
+def select(names: list[str]) -> list[Component]:
+    every = components()
+    if not names:
+        return every
+    chosen = [c for c in every if c.name in names or c.key in names]
+    unknown = set(names) - {c.name for c in every} - {c.key for c in every}
+    if unknown:
+        raise SystemExit(f"unknown component(s) {sorted(unknown)}; known: {', '.join(c.key for c in every)}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("components", nargs="*", help="kubernetes, etcd, kwok, kserve or NAME-VERSION (default: all)")
+    parser.add_argument("--check", action="store_true", help="build nothing; exit 1 if a component is not built")
+    args = parser.parse_args(argv)
+    env = go_env()
+    chosen = select(args.components)
+    if args.check:
+        missing = [c.key for c in chosen if not is_built(c, env)]
+        print(f"not built: {', '.join(missing)}" if missing else f"built, in {cache_root()}")
+        return 1 if missing else 0
+    if shutil.which("go") is None:
+        raise SystemExit("no `go` on PATH: the cluster tests build their control plane with Go (README, "
+                         "\"Cluster tests\")")
+    start = time.monotonic()
+    results = [build(c, env) for c in chosen]
+    built = [r for r in results if not r.get("skipped")]
+    if built:
+        print(f"built {len(built)} component(s) in {time.monotonic() - start:.0f} s, peak memory "
+              f"{max(r['peak_mib'] for r in built)} MiB ({go_version(env)}, GOFLAGS={env['GOFLAGS']}); in {cache_root()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
