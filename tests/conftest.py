@@ -31,10 +31,18 @@ SLOW_FIRST = ("test_pipeline.py", "test_image.py", "test_faults.py", "test_exper
               "test_security.py", "test_demo_model.py", "test_drain.py", "test_quantization.py", "test_gateway.py")
 
 
+# CUBESERVE_TEST_ORDER=reverse: every test file's tests, and the files of each rank, in reverse
+# (the slowest still first): a second order, to find a test that passes only after another.
+ORDER_ENV = "CUBESERVE_TEST_ORDER"
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    way = {"": 1, "reverse": -1}.get(os.environ.get(ORDER_ENV, ""))
+    if way is None:
+        raise pytest.UsageError(f"${ORDER_ENV} must be empty or 'reverse', got {os.environ[ORDER_ENV]!r}")
     order = {item: i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[item]))
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), way * order[item]))
 
 
 @pytest.fixture(scope="session")
