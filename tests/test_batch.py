@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -221,20 +222,29 @@ def test_the_batch_tokens_are_the_engines(first_batch):
     assert [records["000000"]["tokens"], records["boat"]["tokens"]] == tokens
 
 
-def test_a_rerun_into_the_same_output_does_nothing(first_batch):
-    tmp, prompts, _, _ = first_batch
-    parts = sorted((tmp / "out" / "results").iterdir())
-    mtimes = {p: p.stat().st_mtime_ns for p in (tmp / "out").iterdir()}
-    summary = run(prompts, settings(tmp / "out", preview=True), progress=False)
+def _first_output(first_batch, tmp_path) -> Path:
+    """A copy of the first batch's output folder, for a test that writes to it: the tests that
+    read the first batch's own see it as that run left it, in any order."""
+    return Path(shutil.copytree(first_batch[0] / "out", tmp_path / "out", copy_function=shutil.copy2))
+
+
+def test_a_rerun_into_the_same_output_does_nothing(first_batch, tmp_path):
+    _, prompts, _, _ = first_batch
+    out = _first_output(first_batch, tmp_path)
+    parts = sorted((out / "results").iterdir())
+    mtimes = {p: p.stat().st_mtime_ns for p in out.iterdir()}
+    summary = run(prompts, settings(out, preview=True), progress=False)
     assert (summary.done, summary.failed, summary.skipped) == (0, 0, 10)
-    assert sorted((tmp / "out" / "results").iterdir()) == parts
-    assert {p: p.stat().st_mtime_ns for p in (tmp / "out").iterdir()} == mtimes
+    assert sorted((out / "results").iterdir()) == parts
+    assert {p: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
 
 
-def test_retry_failed_runs_only_the_failed_rows_and_their_new_record_wins(first_batch, capsys):
+def test_retry_failed_runs_only_the_failed_rows_and_their_new_record_wins(first_batch, capsys, tmp_path):
     import re
 
-    tmp, prompts, _, _ = first_batch
+    _, prompts, _, _ = first_batch
+    tmp = tmp_path
+    _first_output(first_batch, tmp_path)
     fixed = tmp / "fixed.jsonl"
     lines = [json.loads(x) for x in Path(prompts).read_text().splitlines()]
     lines[3]["resolution"] = 4  # the bad resolution, corrected

@@ -252,14 +252,21 @@ def test_a_shadow_is_measured_and_never_seen(server):
     def new():
         return [a - b for a, b in zip(counts(server, *measured), before)]
 
+    # Room for every copy: the first copies can wait on version 2's engine where no test before
+    # used it (a fresh engine's first step), and past max_in_flight (default 4) a copy is skipped,
+    # by design (tested with the hung shadow).
     set_experiment(server, {"name": "shadow", "arms": [{"name": "control", "version": 1, "weight": 1}],
-                            "shadow": {"version": 2, "share": 1.0}})
+                            "shadow": {"version": 2, "share": 1.0, "max_in_flight": 16}})
     greedy = [generate(server, f"s{i}") for i in range(6)]
     sampled = [generate(server, f"t{i}", top_p=0.9, seed=i) for i in range(3)]
     assert all(r.arm == "control" and r.model_version == "1" for r in greedy + sampled)
     # every copy ends (each in its own time, after the served answer) and is measured
     wait_until(lambda: new()[5] >= 9, 120, "the 9 shadow copies measured", poll=0.5)
-    wait_until(lambda: new()[0] >= 6 and new()[1] >= 3, 60, "the copies compared", poll=0.5)
+    try:
+        wait_until(lambda: new()[0] >= 6 and new()[1] >= 3, 60, "the copies compared", poll=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {dict(zip(('tokens', 'ious', 'identical', 'below', 'iou_below_one', 'copies', 'ok', 'meshes'), new()))}, "
+                             f"shadow outcomes {[(lab, v) for n, lab, v in samples(server) if n == names.SHADOW_REQUESTS]}") from None
     tokens, ious, identical, below, iou_below_one, copies, ok, meshes = new()
     # versions 1 and 2 hold the same weights: identical tokens, identical meshes
     assert tokens >= 6 and ious >= 3

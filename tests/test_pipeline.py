@@ -60,11 +60,23 @@ def good(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first_run(cluster, good):
-    return cluster.run(str(good))
+    """The module's first run (version 1, champion), with what it left (`after`): the tests after
+    it in the file, in any order (tests/conftest.py, CUBESERVE_TEST_ORDER), add versions."""
+    result = cluster.run(str(good))
+    result.after = state(cluster)
+    result.after["stubs"] = set(python_stubs(cluster.server.tritonserver_pid()).values())
+    return result
 
 
 def registry(cluster):
     return open_registry(cluster.mlflow.uri, "cube3d")
+
+
+def state(cluster) -> dict:
+    """What a run may change: the registry's versions (with their aliases), the object store's
+    versions, and what the server serves."""
+    return {"versions": [(v.version, v.aliases) for v in registry(cluster).versions()],
+            "store": set(steps.store_versions(MODEL_STORE)), "served": serving.served_versions(cluster.triton_url)}
 
 
 def steps_in(result, state: str) -> set[str]:
@@ -89,8 +101,8 @@ def test_first_checkpoint_is_packaged_registered_served_and_champion(cluster, fi
     assert not first_run.ran("evaluate")  # the GPU branch: device is cpu
     checked = first_run.task("validate").outputs
     assert checked["action"] == "new"
-    (v,) = registry(cluster).versions()
-    assert v.version == "1" and v.aliases == (CHAMPION,)
+    assert first_run.after["versions"] == [("1", (CHAMPION,))]
+    v = registry(cluster).get("1")
     # Lineage: the object-store URI of version 1 as the source, in the pipeline run's MLflow run.
     assert v.source == f"{MODEL_STORE}/1/" and v.run_id == checked["mlflow_run_id"]
     assert v.tags["sha256"] == checked["validation"]["sha256"] and v.tags["triton_version"] == "1"
@@ -102,43 +114,43 @@ def test_first_checkpoint_is_packaged_registered_served_and_champion(cluster, fi
     assert "data:image/png;base64," in registry(cluster).read_artifact_text(v.run_id, "evaluation.html")
     # Version 1 in the layout KServe reads, with its manifest beside it; the HTML report in the
     # pipeline root, as the launcher uploads it.
-    assert steps.store_versions(MODEL_STORE).keys() == {1}
+    assert first_run.after["store"] == {1}
     assert storage.exists(f"{MODEL_STORE}/1/cube3d_stream/1/weights/{GPT_FILE}")
     assert storage.exists(f"{MODEL_STORE}/1/cube3d/1/model.py")
     report = first_run.task("evaluate-2").artifacts["report"]
     assert report.startswith("s3://cube-serve/pipeline-root/") and "data:image/png" in storage.read_text(report)
-    assert_champion_serving(cluster, "1")
+    assert first_run.after["served"] == [1]
     # Its engine process is known as cube3d_stream version 1 although Triton runs it from the
     # temporary folder of the load request (the predict model's watchdog relies on this).
-    assert ("cube3d_stream", "1") in python_stubs(cluster.server.tritonserver_pid()).values()
+    assert ("cube3d_stream", "1") in first_run.after["stubs"]
 
 
 def test_same_checkpoint_again_does_nothing(cluster, first_run, good):
+    before = state(cluster)
     again = cluster.run(str(good))
     assert again.state == SUCCEEDED, again.error
     assert again.task("validate").outputs["action"] == "done"
     assert again.task("finish").outputs["Output"].startswith("succeeded (validate: already version 1")
     assert not again.ran("package") and not again.ran("roll-out") and again.ran("finish")
-    assert [v.version for v in registry(cluster).versions()] == ["1"]
-    assert steps.store_versions(MODEL_STORE).keys() == {1}
-    assert_champion_serving(cluster, "1")
+    assert state(cluster) == before
+    assert_champion_serving(cluster, registry(cluster).by_alias(CHAMPION).version)
 
 
 def test_another_checkpoint_is_compared_with_the_champion_and_stopped_at_the_gate(cluster, first_run, tmp_path):
     other = write_random_weights("tiny", tmp_path / "other", seed=1)
+    before = state(cluster)
     result = cluster.run(str(other), min_token_agreement=0.99)
     assert result.state == FAILED and "token_agreement" in result.task("gate").error
     metrics = result.task("evaluate-2").outputs["Output"]
-    assert 0.0 <= metrics["token_agreement"] < 0.99  # measured against version 1's weights
+    assert 0.0 <= metrics["token_agreement"] < 0.99  # measured against the champion's weights
     assert not result.ran("package") and result.task("finish").state == SUCCEEDED
-    assert [v.version for v in registry(cluster).versions()] == ["1"]
-    assert steps.store_versions(MODEL_STORE).keys() == {1}
-    assert_champion_serving(cluster, "1")
+    assert state(cluster) == before
 
 
 def test_the_same_checkpoint_quantized_is_a_version_of_its_own_held_to_its_parent(cluster, first_run, good):
     """Version 1's files with quantization int8 are not "done": they are another served version,
     evaluated quantized against the unquantized checkpoint, here stopped by the numerics gate."""
+    before = state(cluster)
     result = cluster.run(str(good), quantization="int8", min_numerics_agreement=1.01)
     assert result.task("validate").outputs["action"] == "new"
     assert result.task("validate").outputs["validation"]["quantization"] == "int8"
@@ -146,8 +158,7 @@ def test_the_same_checkpoint_quantized_is_a_version_of_its_own_held_to_its_paren
     metrics = result.task("evaluate-2").outputs["Output"]
     assert 0.0 <= metrics["numerics_agreement"] <= 1.0 and metrics["numerics_kl"] >= 0.0
     assert not result.ran("package") and result.task("finish").state == SUCCEEDED
-    assert [v.version for v in registry(cluster).versions()] == ["1"]
-    assert_champion_serving(cluster, "1")
+    assert state(cluster) == before
 
 
 @pytest.mark.parametrize("case", ["bad uri", "no secret", "wrong key", "registry unreachable", "bad device"])
@@ -167,46 +178,51 @@ def test_bad_input_fails_naming_it_and_the_champion_keeps_serving(cluster, first
         params["registry_uri"], expect = "http://127.0.0.1:9", "http://127.0.0.1:9"
     else:
         params["device"], expect = "gpu", "device must be one of cpu, cuda, got 'gpu'"
+    before = state(cluster)
     result = cluster.run(params.pop("checkpoint", str(good)), secrets=secrets, **params)
     assert result.state == FAILED and result.task("validate").state == FAILED
     assert expect in result.task("validate").error, result.task("validate").error
     assert result.task("validate").launched  # failed by its own check, not held by the kubelet
     assert not result.ran("evaluate-2") and not result.ran("package")
-    assert [v.version for v in registry(cluster).versions()] == ["1"]
-    assert_champion_serving(cluster, "1")
+    assert state(cluster) == before
+    assert_champion_serving(cluster, registry(cluster).by_alias(CHAMPION).version)
 
 
 def test_a_run_failing_after_register_clears_its_challenger_and_a_rerun_resumes(cluster, first_run, tmp_path):
     other = write_random_weights("tiny", tmp_path / "resumed", seed=4)
-    # The roll-out cannot reach its server: the step fails after version 2 was registered.
+    champion, before = registry(cluster).by_alias(CHAMPION), state(cluster)
+    # The roll-out cannot reach its server: the step fails after a new version was registered.
     broken = cluster.run(str(other), triton_url="127.0.0.1:9")
     assert broken.state == FAILED and broken.task("register").state == SUCCEEDED
     assert broken.task("roll-out").state == FAILED and broken.task("finish").state == SUCCEEDED
-    v2 = registry(cluster).get("2")
+    v2 = registry(cluster).versions()[-1]
+    assert v2.version not in [v for v, _ in before["versions"]]
     assert v2.tags["rollout.decision"] == "failed"
     # Judged by what the run recorded (no last step finished), whatever state the backend passed.
     assert v2.tags["rollout.reason"].startswith(f"pipeline run {broken.run_id} ended before its last step finished")
     assert registry(cluster).get_run(v2.run_id).status == "FAILED"
-    assert_champion_serving(cluster, "1")  # the exit handler cleared the challenger
-    # The same checkpoint again resumes the roll-out of version 2 (no second package or version),
-    # through the promotion gate this time: shadow, canary, two analysis windows against version 1.
+    assert_champion_serving(cluster, champion.version)  # the exit handler cleared the challenger
+    # The same checkpoint again resumes the roll-out of that version (no second package or
+    # version), through the promotion gate this time: shadow, canary, two analysis windows
+    # against the champion.
     resumed = cluster.run(str(other), **GATE)
     assert resumed.state == SUCCEEDED, resumed.error
-    assert resumed.task("validate").outputs["action"] == "resume" and resumed.task("validate").outputs["version"] == "2"
+    assert resumed.task("validate").outputs["action"] == "resume" and resumed.task("validate").outputs["version"] == v2.version
     assert not resumed.ran("package") and resumed.ran("roll-out-2")
     decision = resumed.task("roll-out-2").outputs["Output"]
     assert decision["decision"] == "promoted", decision
-    assert decision["reason"] == "2 analysis windows of 10 s passed; replaced version 1"
-    analysis = json.loads(registry(cluster).get("2").tags["rollout.analysis"])
+    assert decision["reason"] == f"2 analysis windows of 10 s passed; replaced version {champion.triton_version}"
+    analysis = json.loads(registry(cluster).get(v2.version).tags["rollout.analysis"])
     assert [w["stage"] for w in analysis] == ["shadow", "analysis 1", "analysis 2"]
     assert [w["result"] for w in analysis][1:] == ["pass", "pass"]
     for window in analysis[1:]:  # the figures of both arms, from the server's metrics via Prometheus
-        assert window["candidate"]["version"] == "2" and window["baseline"]["version"] == "1"
+        assert window["candidate"]["version"] == v2.tags["triton_version"]
+        assert window["baseline"]["version"] == str(champion.triton_version)
         assert window["candidate"]["requests"] >= 5 and window["candidate"]["error_rate"] == 0
         assert window["candidate"]["empty_mesh_rate"] == 0 and window["baseline"]["p95_seconds"] > 0
-    assert [v.version for v in registry(cluster).versions()] == ["1", "2"]
-    assert steps.store_versions(MODEL_STORE).keys() == {1, 2}
-    assert_champion_serving(cluster, "2")
+    assert [v for v, _ in state(cluster)["versions"]] == [v for v, _ in before["versions"]] + [v2.version]
+    assert state(cluster)["store"] == before["store"] | {int(v2.tags["triton_version"])}
+    assert_champion_serving(cluster, v2.version)
 
 
 def test_a_canary_that_fails_its_soak_on_its_own_is_rolled_back(cluster, first_run, tmp_path):
