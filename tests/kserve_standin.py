@@ -45,8 +45,9 @@
 * Per release (`release`, the tag modelled), read at each tag:
     - Raw PredictorReady (inference_service_status.go PropagateRawStatus: v0.14.0 298, v0.15.0
       328, v0.16.0/v0.17.0 341, v0.20.0 360): before v0.16.0 the Deployment's Available condition
-      as it is, but True without its reason and message (SetCondition marks True with MarkTrue;
-      v0.20.0 with MarkTrueWithReason) (v0.14.x also writes the Deployment's revision number as
+      as it is, but True without its reason and message (SetCondition, v0.15.2
+      inference_service_status.go 513-522, marks True with MarkTrue; v0.20.0 with
+      MarkTrueWithReason; v0.14.x is assumed the same, not read) (v0.14.x also writes the Deployment's revision number as
       latestCreatedRevision);
       from v0.16.0 Available, overridden by Progressing (False with a message, e.g.
       ProgressDeadlineExceeded: not ready; True with NewReplicaSetAvailable: ready; True with
