@@ -1,0 +1,143 @@
+"""What the generated reference pages are made of, read from the code at build time, so the docs
+cannot drift from it: the command line (every argparse parser of `cubeserve` and `cube3d-client`),
+the metrics (the families the Triton models register) and the configuration files (their
+formats as the modules that read them document them). docs/gen/pages.py writes the pages;
+tests/test_docs.py uses the same functions to check what the hand-written pages mention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+def _walk(parser: argparse.ArgumentParser, words: tuple[str, ...]):
+    yield words, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, words + (name,))
+
+
+def commands() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Every command and subcommand, ("cubeserve", "rollout", "canary") -> its parser."""
+    from cube3d_client.cli import build_parser as client_parser
+    from cubeserve.cli import build_parser
+
+    return {**dict(_walk(build_parser(), ("cubeserve",))), **dict(_walk(client_parser(), ("cube3d-client",)))}
+
+
+def help_text(parser: argparse.ArgumentParser) -> str:
+    """`--help` as a terminal 100 columns wide prints it (argparse reads $COLUMNS)."""
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        return parser.format_help()
+    finally:
+        if old is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = old
+
+
+# -- the metrics --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str  # counter, gauge, histogram
+    help: str  # the description the server registers (Prometheus' HELP line)
+    labels: str  # labels beyond model and version
+    meaning: str  # from cubeserve/serving/metrics.py's table ("" for the engine's batch series)
+    source: str  # the file that registers it
+
+
+def _families_literal(path: Path, name: str) -> ast.expr:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return node.value
+    raise LookupError(f"{path}: no {name} =")
+
+
+def _documented() -> dict[str, tuple[str, str]]:
+    """metrics.py's table: name -> (labels in braces, meaning)."""
+    from cubeserve.serving import metrics
+
+    rows = {}
+    for line in metrics.__doc__.splitlines():
+        m = re.match(r"\s+(cube3d_\w+)(?:\{([^}]*)\})?\s+(.*)", line)
+        if m:
+            rows[m.group(1)] = (m.group(2) or "", m.group(3).strip())
+    return rows
+
+
+def metrics() -> list[Metric]:
+    """Every metric family the server registers. serving/triton_metrics.py and
+    serving/triton_engine.py import Triton's python backend, which exists only inside tritonserver,
+    so their registrations are read from the source: _FAMILIES is evaluated as written (names
+    from serving/metrics.py), the engine's (name, description, kind) tuples are taken as written."""
+    from cubeserve.serving import metrics as names
+
+    documented = _documented()
+    out = []
+    src = ROOT / "cubeserve/serving/triton_metrics.py"
+    families = eval(compile(ast.Expression(_families_literal(src, "_FAMILIES")), str(src), "eval"),
+                    {"names": names})
+    for name, (description, kind, _buckets) in families.items():
+        labels, meaning = documented.get(name, ("", ""))
+        out.append(Metric(name, kind.lower(), description, labels, meaning, src.relative_to(ROOT).as_posix()))
+    src = ROOT / "cubeserve/serving/triton_engine.py"
+    tree = ast.parse(src.read_text())
+    reasons = ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.comprehension) and isinstance(node.target, ast.Name) and node.target.id == "reason":
+            reasons = ", ".join(ast.literal_eval(node.iter))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Tuple) and len(node.elts) == 3 and isinstance(node.elts[0], ast.Constant)
+                and str(node.elts[0].value).startswith("cube3d_") and isinstance(node.elts[2], ast.Name)):
+            name = node.elts[0].value
+            labels = f"reason ({reasons})" if name == "cube3d_requests_dropped_total" else ""
+            out.append(Metric(name, node.elts[2].id, node.elts[1].value, labels, "", src.relative_to(ROOT).as_posix()))
+    # The drain's gauge (serving/triton_common.py): one family, its name a constant of drain.py.
+    from cubeserve.serving import drain
+
+    src = ROOT / "cubeserve/serving/triton_common.py"
+    for node in ast.walk(ast.parse(src.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "MetricFamily":
+            kw = {k.arg: k.value for k in node.keywords}
+            name = getattr(drain, kw["name"].id)
+            kind = kw["kind"].attr.lower()
+            out.append(Metric(name, kind, ast.literal_eval(kw["description"]), "instance", "",
+                              src.relative_to(ROOT).as_posix()))
+    # A family registered anywhere else would be missing from the reference: say where to add it.
+    read = {m.source for m in out}
+    for path in sorted((ROOT / "cubeserve").rglob("*.py")):
+        if "MetricFamily(" in path.read_text() and path.relative_to(ROOT).as_posix() not in read:
+            raise LookupError(f"{path.relative_to(ROOT)} registers a metric family that "
+                              "docs/gen/reference.py does not read: add it to metrics()")
+    return out
+
+
+def metric_names() -> set[str]:
+    """Every name a query may use: the families, and a histogram's _bucket, _sum and _count."""
+    out = set()
+    for m in metrics():
+        out.add(m.name)
+        if m.kind == "histogram":
+            out |= {m.name + s for s in ("_bucket", "_sum", "_count")}
+    return out
+
+
+def metrics_intro() -> str:
+    """metrics.py's docstring up to its table: the labels every series carries."""
+    from cubeserve.serving import metrics
+
+    return metrics.__doc__.split("\n\n")[1]
