@@ -150,7 +150,7 @@ def test_the_rules_pass_promtool_check_and_every_alert_is_documented(tmp_path):
     for name, rule in alerts().items():
         assert re.fullmatch(r"\d+m", rule["for"]), name
         assert rule["labels"]["severity"] in ("critical", "warning"), name
-        assert {"summary", "description", "runbook"} <= set(rule["annotations"]), name
+        assert {"summary", "description", "runbook_url"} <= set(rule["annotations"]), name
         assert "version" in grouping_labels(rule["expr"]), name  # one alert per version
 
 
