@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= a round table
 CHECKPOINT ?=
 
-.PHONY: install test test-quick serve gateway demo demo-model bench bench-batch load k8s image image-test pipeline pipelines clean
+.PHONY: install test test-quick serve gateway demo demo-model bench bench-batch load k8s image image-test pipeline pipelines clean docs
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,12 @@ CLIENTS ?= 64
 DURATION ?= 600
 load: install
 	$(PY) -m bench.load --clients $(CLIENTS) --duration $(DURATION)
+
+# The documentation site (mkdocs.yml: docs/, the reference generated from the code, the plots from
+# bench/results.json) into outputs/site, warnings as errors. tests/test_docs.py builds it too.
+# The variables silence two plugins' banners about MkDocs' future, printed on every build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(VENV)/bin/mkdocs build --strict
 
 # Render every KServe overlay with kubectl kustomize; check the manifests and `cubeserve rollout`.
 k8s: install
