@@ -1,0 +1,313 @@
+"""The documentation site (mkdocs.yml, docs/, README.md): it builds with warnings as errors, and
+what it tells users to type holds against the code.
+
+* Every command in a shell block is run by a test (RUN_BY: the test file and what in it shows
+  that it runs the command) or marked with what it needs that this machine lacks (NEEDS), and
+  in both cases checked here as far as this machine can: `cubeserve` and `cube3d-client`
+  commands are parsed by their own argparse parsers (a removed or renamed flag, a subcommand or a
+  bad value fails), `make` targets and variables must exist in the Makefile, `kubectl` commands
+  run against the rendered manifests without a cluster (`--dry-run=client`, `kubectl kustomize`,
+  or flags checked against an address nothing listens on), `python -m` modules must exist.
+* Every flag named in the prose (`--flag` in code) is one the repository's code defines, or one of
+  the other tools' listed in OTHER_TOOLS_FLAGS.
+* Every metric name the pages mention is one the server registers (docs/gen/reference.py reads
+  the registrations), so a renamed metric fails here.
+* Every alert links its runbook entry on the published site, and every entry is an alert's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from markdown_it import MarkdownIt
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "docs" / "gen"))
+import reference  # noqa: E402
+
+# Where the site is published (mkdocs.yml's site_url): the alerts' runbook_url start with it.
+SITE_URL = "https://cube-serve.readthedocs.io/en/latest/"
+RUNBOOKS = "operations/runbooks/"
+KUBECTL = str(Path(sys.executable).parent / "kubectl")
+# Two plugins print a banner about MkDocs' future on every build; it is not a warning of the site.
+QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
+
+# A docs command -> the test file that runs it and a string in that file that shows it does.
+# Keys are the command's words up to its options (`cubeserve rollout canary`, `make pipeline`).
+RUN_BY = {
+    ("make", "test"): ("Makefile", "test: install"),  # what CI runs (.ci/run)
+    ("make", "docs"): ("tests/test_docs.py", "mkdocs"),
+    ("make", "k8s"): ("tests/test_k8s.py", "kustomize"),
+    ("make", "pipeline"): ("tests/test_pipeline.py", "LocalCluster"),
+    ("make", "load"): ("tests/test_load.py", "bench"),
+    ("make", "serve"): ("tests/test_faults.py", '"serve"'),
+    ("make", "gateway"): ("tests/test_gateway.py", '"-m", "cubeserve.cli", "gateway", "--config"'),
+    ("make", "control-plane"): (".ci/run", "make cluster-test"),
+    ("make", "cluster-test"): (".ci/run", "make cluster-test"),
+    ("cubeserve", "weights"): ("tests/test_cli.py", "test_weights_init_and_check"),
+    ("cubeserve", "generate"): ("tests/test_cli.py", "test_generate_end_to_end"),
+    ("curl",): ("tests/test_clients.py", "test_plain_json_request_gets_valid_json_with_the_mesh_in_base64"),
+    ("jq",): ("tests/test_clients.py", "test_plain_json_request_gets_valid_json_with_the_mesh_in_base64"),
+    ("cubeserve", "batch"): ("tests/test_batch.py", 'cli.main(["batch"'),
+    ("cubeserve", "train"): ("tests/test_demo_model.py", '"train", "all"'),
+    ("cubeserve", "usage"): ("tests/test_gateway.py", '"usage", "--prometheus"'),
+    ("cubeserve", "rollout", "status"): ("tests/test_rollout.py", '"status"'),
+    ("cubeserve", "rollout", "canary"): ("tests/test_cluster.py", '"canary", "--version"'),
+    ("cubeserve", "rollout", "promote"): ("tests/test_cluster.py", '"promote"'),
+    ("cubeserve", "rollout", "rollback"): ("tests/test_cluster.py", '"rollback"'),
+    ("cubeserve", "rollout", "ab"): ("tests/test_rollout.py", '"ab"'),
+    ("cubeserve", "rollout", "analyze"): ("tests/test_analyze.py", '"rollout", "analyze"'),
+    ("cubeserve", "rollout", "version-set"): ("tests/test_rollout.py", '"version-set"'),
+    ("cube3d-client",): ("tests/test_clients.py", "project_client"),
+    ("kubectl", "apply"): ("tests/test_cluster.py", "--server-side"),
+}
+# A docs command no test runs here, and what it needs; it is still checked (module docstring).
+NEEDS = {
+    ("make", "demo"): "minutes of a fresh install; its server and client run in tests/test_clients.py",
+    ("make", "demo-model"): "19 minutes of training; tests/test_demo_model.py trains at a tiny size",
+    ("make", "bench"): "a quiet machine for minutes (benchmarks, not tests)",
+    ("make", "image"): "a container registry; tests/test_image.py builds the Dockerfile with podman",
+    ("cubeserve", "evaluate"): "minutes on 45 shapes; tests/test_demo_model.py scores the model",
+    ("kubectl", "create"): "a cluster (run here with --dry-run=client)",
+    ("kubectl", "get"): "a cluster",
+    ("kubectl", "annotate"): "a cluster",
+    ("docker",): "a container registry",
+    ("base64",): "a Secret from a cluster",
+}
+OTHER_PROGRAMS = {"docker", "base64", "curl", "jq", "openssl"}
+# Flags of other tools the prose names: tritonserver, kubectl, pytest-xdist, MLflow's server.
+OTHER_TOOLS_FLAGS = {"--model-control-mode", "--http-restricted-api", "--grpc-restricted-protocol",
+                     "--exit-timeout-secs", "--server-side", "--dist", "--allowed-hosts", "--help"}
+# cube3d_ words that are not metrics: the models, the client package, parameter prefixes.
+NOT_METRICS = {"cube3d_stream", "cube3d_client", "cube3d_", "cube3d_shadow"}
+LANGUAGES = {"bash", "json", "yaml", "python", "text"}
+
+
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "gen" not in p.parts)]
+
+
+def fences():
+    """(page, line, language, content) of every fenced block."""
+    md = MarkdownIt()
+    for page in pages():
+        for token in md.parse(page.read_text()):
+            if token.type == "fence":
+                yield page.relative_to(ROOT).as_posix(), token.map[0] + 1, token.info.split()[0] if token.info else "", token.content
+
+
+def shell_commands():
+    """(where, words) of every command in a shell block: continuation lines joined, comments
+    dropped, pipelines and lists split, leading VAR=value assignments dropped, `[...]` (an
+    optional part) opened."""
+    for page, line, language, content in fences():
+        if language != "bash":
+            continue
+        text = re.sub(r"\\\n\s*", " ", content)
+        pending = ""
+        for row in text.splitlines():
+            pending += row + "\n"
+            try:
+                words = shlex.split(pending, comments=True)
+            except ValueError:  # a quote spans lines
+                continue
+            pending = ""
+            command: list[str] = []
+            optional = False  # inside `[--option VALUE]`
+            for word in [*words, "|"]:
+                if word in ("|", "||", "&&", ";"):
+                    while command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", command[0]):
+                        command.pop(0)
+                    if command:
+                        yield f"{page}:{line}", command
+                    command = []
+                    continue
+                if word.startswith("[--"):
+                    word, optional = word[1:], True
+                if optional and word.endswith("]"):
+                    word, optional = word[:-1], False
+                command.append(word)
+        assert not pending, f"{page}:{line}: a quote that never closes"
+
+
+def key(words: list[str]) -> tuple[str, ...]:
+    """The command's words up to its options, with the program's folder dropped."""
+    program = Path(words[0]).name
+    if program in ("cubeserve", "cube3d-client"):
+        known = reference.commands()
+        out = (program,)
+        for word in words[1:]:
+            if out + (word,) not in known:
+                break
+            out += (word,)
+        return out
+    if program == "make":
+        return (program, next((w for w in words[1:] if "=" not in w), ""))
+    if program in ("kubectl", "python"):
+        return (program, words[1])
+    return (program,)
+
+
+def entry(k: tuple[str, ...]):
+    matches = [m for m in (*RUN_BY, *NEEDS) if k[:len(m)] == m]
+    return max(matches, key=len) if matches else None
+
+
+COMMANDS = list(shell_commands())
+
+
+def test_every_docs_command_is_run_by_a_test_or_marked_with_what_it_needs():
+    unknown = [f"{where}: {' '.join(words)}" for where, words in COMMANDS if entry(key(words)) is None]
+    assert not unknown, "commands neither in RUN_BY nor in NEEDS:\n" + "\n".join(unknown)
+    used = {entry(key(words)) for _, words in COMMANDS}
+    assert not set(RUN_BY) - used and not set(NEEDS) - used, "entries no docs command uses: " \
+        f"{sorted((set(RUN_BY) | set(NEEDS)) - used)}"
+    for k, (path, evidence) in RUN_BY.items():
+        if evidence.startswith("test_"):  # a test function by its name
+            evidence = f"def {evidence}("
+        assert evidence in (ROOT / path).read_text(), f"{' '.join(k)}: {path} does not contain {evidence!r}"
+
+
+@pytest.mark.parametrize("where,words", [c for c in COMMANDS if Path(c[1][0]).name in ("cubeserve", "cube3d-client")],
+                         ids=lambda v: v if isinstance(v, str) else " ".join(v)[:60])
+def test_cubeserve_commands_parse_with_their_own_parsers(where, words):
+    k = key(words)
+    parser = reference.commands()[k]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parser.parse_args(words[len(k):])
+        except SystemExit as exc:
+            assert exc.code == 0, f"{where}: {' '.join(words)}\n{err.getvalue()}"
+
+
+def test_make_targets_and_variables_exist():
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    for where, words in COMMANDS:
+        if words[0] != "make":
+            continue
+        target = key(words)[1]
+        assert target in targets, f"{where}: make {target}"
+        for word in words[1:]:
+            if "=" in word:
+                name = word.split("=", 1)[0]
+                assert f"$({name})" in makefile, f"{where}: make {target} {name}=: the Makefile does not use {name}"
+
+
+def test_kubectl_commands_run_against_the_manifests_without_a_cluster():
+    env = {**os.environ, "KUBECONFIG": os.devnull}
+    for where, words in COMMANDS:
+        if Path(words[0]).name != "kubectl":
+            continue
+        args = [KUBECTL, *words[1:]]
+        if words[1] == "create":  # the object as it would be sent
+            result = subprocess.run([*args, "--dry-run=client", "-o", "yaml"], capture_output=True, text=True, env=env)
+            assert result.returncode == 0, f"{where}: {' '.join(words)}\n{result.stderr}"
+            continue
+        if "-k" in words:
+            folder = ROOT / words[words.index("-k") + 1]
+            result = subprocess.run([KUBECTL, "kustomize", str(folder)], capture_output=True, text=True)
+            assert result.returncode == 0, f"{where}: {folder}\n{result.stderr}"
+        # Flags and verbs are checked before kubectl connects: an address nothing listens on.
+        result = subprocess.run([*args, "--server=https://127.0.0.1:1", "--request-timeout=2s"], cwd=ROOT,
+                                capture_output=True, text=True, env=env, timeout=60)
+        assert not re.search(r"unknown (flag|command|shorthand)|flag needs an argument|error: unknown",
+                             result.stderr), f"{where}: {' '.join(words)}\n{result.stderr}"
+
+
+def test_other_programs_are_known():
+    for where, words in COMMANDS:
+        program = Path(words[0]).name
+        if program in ("cubeserve", "cube3d-client", "make", "kubectl"):
+            continue
+        if program == "python":
+            assert words[1] == "-m" and __import__("importlib.util").util.find_spec(words[2]), f"{where}: {words}"
+            continue
+        assert program in OTHER_PROGRAMS, f"{where}: {program}: not a program these checks know"
+
+
+def test_every_block_has_a_language_and_parses():
+    from cubeserve.serving import experiment
+
+    for page, line, language, content in fences():
+        where = f"{page}:{line}"
+        assert language in LANGUAGES, f"{where}: a block's language must be one of {sorted(LANGUAGES)}"
+        if language == "json":
+            doc = json.loads(content)
+            if "arms" in doc or "shadow" in doc:
+                assert experiment.parse(content) is not None, where
+        elif language == "yaml":
+            list(yaml.safe_load_all(content))
+        elif language == "python":
+            compile(content, where, "exec")
+
+
+def test_every_flag_the_prose_names_is_defined_by_the_code():
+    code = "\n".join(p.read_text() for folder in ("cubeserve", "client", "kfp_pipelines", "bench")
+                     for p in (ROOT / folder).rglob("*.py"))
+    flags = {flag for parser in reference.commands().values() for a in parser._actions for flag in a.option_strings}
+    for page in pages():
+        for flag in sorted(set(re.findall(r"`(--[a-z][a-z0-9-]*)", page.read_text()))):
+            assert flag in flags or flag in OTHER_TOOLS_FLAGS or f'"{flag}"' in code, \
+                f"{page.relative_to(ROOT)}: {flag} is defined by no parser in the code"
+
+
+def test_every_metric_the_docs_name_is_registered():
+    names = reference.metric_names()
+    for page in pages():
+        for word in sorted(set(re.findall(r"\bcube3d_[a-z_]*", page.read_text()))):
+            assert word in names or word in NOT_METRICS, \
+                f"{page.relative_to(ROOT)}: {word} is no metric the server registers (docs/gen/reference.py)"
+
+
+def alerts() -> dict[str, dict]:
+    """Every alert of every PrometheusRule under k8s/."""
+    out = {}
+    for path in sorted((ROOT / "k8s").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "PrometheusRule":
+                for group in doc["spec"]["groups"]:
+                    out.update({r["alert"]: r for r in group["rules"] if "alert" in r})
+    return out
+
+
+def test_every_alert_links_its_runbook_entry_and_every_entry_is_an_alerts():
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert site["site_url"] == SITE_URL
+    headings = re.findall(r"^## (\S+)$", (ROOT / "docs" / RUNBOOKS.rstrip("/")).with_suffix(".md").read_text(), re.M)
+    found = alerts()
+    assert found and sorted(headings) == sorted(found), "docs/operations/runbooks.md needs one `## AlertName` " \
+        f"per alert: missing {sorted(set(found) - set(headings))}, not an alert {sorted(set(headings) - set(found))}"
+    for name, rule in found.items():
+        annotations = rule["annotations"]
+        # One place for the runbook: the page (the annotation `runbook` held text before).
+        assert "runbook" not in annotations, name
+        assert annotations.get("runbook_url") == f"{SITE_URL}{RUNBOOKS}#{name.lower()}", name
+
+
+def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_reference(tmp_path):
+    result = subprocess.run([str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-d", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, env={**os.environ, **QUIET}, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    cli = (tmp_path / "reference" / "cli" / "index.html").read_text()
+    for words in reference.commands():
+        assert " ".join(words) in cli, words
+    metrics = (tmp_path / "reference" / "metrics" / "index.html").read_text()
+    assert all(m.name in metrics for m in reference.metrics())
+    for plot in ("tokens-per-second", "latency-vs-concurrency", "numerics"):
+        assert (tmp_path / "performance" / f"{plot}.svg").stat().st_size > 1000, plot
+    # BENCHMARKS.md is included whole, not copied.
+    page = (tmp_path / "performance" / "benchmarks" / "index.html").read_text()
+    headings = re.findall(r"^##+ ([^`\n]+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)
+    assert headings and all(h.strip() in page for h in headings)
