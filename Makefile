@@ -33,7 +33,7 @@ serve: install
 	$(VENV)/bin/cubeserve serve
 
 # Envoy on 127.0.0.1:8080 in front of `make serve`'s server: API keys, quotas in shape tokens,
-# balancing; tenants and keys from GATEWAY_CONFIG (README, "Gateway"). Meter the tenants by
+# balancing; tenants and keys from GATEWAY_CONFIG (docs/gateway/index.md). Meter the tenants by
 # starting the server with CUBE3D_TENANTS=team-a,team-b.
 GATEWAY_CONFIG ?= examples/gateway.yaml
 gateway: install
@@ -113,7 +113,7 @@ clean:
 	rm -rf outputs triton_models/*/[0-9]*/weights
 
 # A real Kubernetes control plane for the cluster tests, built from Go modules with the machine's Go
-# (README, "Cluster tests"): kube-apiserver, -controller-manager, -scheduler, etcd, KWOK and KServe's
+# (docs/development.md, "Cluster tests"): kube-apiserver, -controller-manager, -scheduler, etcd, KWOK and KServe's
 # manager per release, into $CUBESERVE_CONTROL_PLANE_CACHE (default ~/.cache/cube-serve/control-plane);
 # what is built already is skipped.
 .PHONY: control-plane cluster-test

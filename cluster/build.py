@@ -138,7 +138,7 @@ def go_env(jobs: int | None = None) -> dict[str, str]:
     root = cache_root() / "go"
     env.setdefault("GOMODCACHE", str(root / "mod"))
     env.setdefault("GOCACHE", str(root / "build"))
-    # The machine's Go (README: Go is a test dependency); a wrapper needing a newer one fails
+    # The machine's Go (docs/development.md: Go is a test dependency); a wrapper needing a newer one fails
     # with Go's own message instead of fetching a toolchain.
     env.setdefault("GOTOOLCHAIN", "local")
     env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not built: {', '.join(missing)}" if missing else f"built, in {cache_root()}")
         return 1 if missing else 0
     if shutil.which("go") is None:
-        raise SystemExit("no `go` on PATH: the cluster tests build their control plane with Go (README, "
+        raise SystemExit("no `go` on PATH: the cluster tests build their control plane with Go (docs/development.md, "
                          "\"Cluster tests\")")
     start = time.monotonic()
     results = [build(c, env) for c in chosen]

@@ -130,7 +130,7 @@ def cmd_serve(args) -> int:
     repo = Path(args.model_repository) if args.model_repository else MODEL_REPOSITORY
     ensure_demo_weights(repo)
     # Supervised: a python backend stub that dies (e.g. killed for memory) restarts the server.
-    # The admin APIs' key (README, "Security"): $CUBE3D_ADMIN_KEY, else a new one for this start,
+    # The admin APIs' key (docs/security.md): $CUBE3D_ADMIN_KEY, else a new one for this start,
     # which the supervisor writes where only this user can read it, for as long as the server runs.
     key_file = Path(tempfile.gettempdir()) / f"cubeserve-admin-key-{args.http_port}"
     server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True, supervised=True,
@@ -196,7 +196,7 @@ def _wait_then_stop(child, ready: str) -> None:
 
 
 def cmd_gateway(args) -> int:
-    """Render the gateway file as Envoy's configuration, validate it, run Envoy (README, "Gateway")."""
+    """Render the gateway file as Envoy's configuration, validate it, run Envoy (docs/gateway/index.md)."""
     from cubeserve.gateway import config as gateway_config
     from cubeserve.gateway.envoy import Gateway, validate, write
 
@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     gw = sub.add_parser("gateway", help="Envoy on 127.0.0.1 in front of predict-API servers: API keys, "
-                                        "per-tenant quotas in shape tokens, balancing (README, \"Gateway\")")
+                                        "per-tenant quotas in shape tokens, balancing (docs/gateway/index.md)")
     gw.add_argument("--config", help="the gateway file (examples/gateway.yaml)")
     gw.add_argument("--check", action="store_true", help="render and validate with Envoy, do not run")
     gw.add_argument("--new-key", action="store_true", help="print a new random API key for a tenant")

@@ -25,7 +25,7 @@ READY_PATH = "/v2/health/ready"  # 200 once every model in the repository is loa
 LIVE_PATH = "/v2/health/live"  # 200 while the server process is healthy
 METRICS_PATH = "/metrics"
 
-# The two models of triton_models/ (see README, "Serving through Triton").
+# The two models of triton_models/ (docs/serving/api.md).
 PREDICT_MODEL = "cube3d"
 STREAM_MODEL = "cube3d_stream"
 
@@ -39,7 +39,7 @@ IMAGE_UID = 10001
 
 # Seconds a request may take end to end: the InferenceService predictor's `timeout` (KServe
 # makes it the Knative revision's timeoutSeconds, or the HTTPRoute's timeout; a plain Ingress
-# needs its controller's own setting: README, "Draining"). A large mesh at high resolution is slow.
+# needs its controller's own setting: docs/deploy/draining.md). A large mesh at high resolution is slow.
 REQUEST_TIMEOUT_S = 600
 # Triton's --exit-timeout-secs (its default is 30): how long tritonserver, once signalled, waits
 # for open HTTP connections and then for the requests in flight before it exits and cuts them.
@@ -53,7 +53,7 @@ EXIT_TIMEOUT_S = REQUEST_TIMEOUT_S
 HTTP_HEADER_FORWARD_PATTERN = "(?i)^x-cube3d-"
 GRPC_HEADER_FORWARD_PATTERN = "^x-cube3d-"
 
-# -- the admin surface (README, "Security") ------------------------------------------------------
+# -- the admin surface (docs/security.md) ------------------------------------------------------
 # Triton's APIs that only an operator may call: over HTTP and gRPC alike, tritonserver refuses
 # them without the header ADMIN_HEADER carrying the admin key (--http-restricted-api,
 # --grpc-restricted-protocol), and so does the front end. Health, metadata, model config and
@@ -145,7 +145,7 @@ def server_command(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     return [*SUPERVISOR, "tritonserver", *tritonserver_args(model_repository)]
 
 
-# -- stopping a pod (RawDeployment; README, "Draining") ------------------------------------------
+# -- stopping a pod (RawDeployment; docs/deploy/draining.md) ------------------------------------------
 # The preStop hook, cubeserve/serving/drain.py: the models refuse new requests at once (HTTP 503,
 # gRPC UNAVAILABLE) and the hook waits until those accepted are answered, at least
 # DRAIN_SETTLE_S (endpoint removal reaching kube-proxy and the ingress) and at most

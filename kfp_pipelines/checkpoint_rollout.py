@@ -33,8 +33,8 @@ from cubeserve.pipeline.steps import S3_SECRET, S3_SECRET_KEYS
 PIPELINE_NAME = "cube3d-checkpoint-rollout"
 MLFLOW_SECRET = "cube-serve-mlflow"
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-# Target local loads versions through tritonserver's model-repository API, an admin API (README,
-# "Security"): these steps get the admin key from the Secret deploy.ADMIN_SECRET where it exists.
+# Target local loads versions through tritonserver's model-repository API, an admin API (docs/security.md):
+# these steps get the admin key from the Secret deploy.ADMIN_SECRET where it exists.
 ADMIN_STEPS = ("roll_out", "finish")
 GPU_RESOURCE = "nvidia.com/gpu"
 

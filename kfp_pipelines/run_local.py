@@ -64,7 +64,7 @@ class LocalCluster:
         """`triton_url` / `prometheus_url`: use these instead of starting them (a server given
         without a Prometheus: no analysis windows). `defaults`: pipeline parameters of every run
         (over LOCAL_GATE). `backend`: the KFP backend release whose DAG states the runs get
-        (pod_runner.BACKENDS; default the oldest, the minimum the README names)."""
+        (pod_runner.BACKENDS; default the oldest, the minimum docs/pipeline.md names)."""
         from kfp_pipelines.pod_runner import BACKENDS
 
         self.backend = backend or BACKENDS[0]

@@ -7,7 +7,7 @@ import os
 # The suite's processes (pytest, the Triton servers and Ray workers it starts, which inherit
 # this) share two cores. libgomp's default wait policy spins threads at every barrier; when
 # another process holds the other core, each parallel region of small ops then waits out a
-# scheduler slice (README, "Development", has the measured cost). Passive
+# scheduler slice (docs/development.md, has the measured cost). Passive
 # waiting only costs timing, which no test asserts. It must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -70,7 +70,7 @@ KSERVE_DATA = REPO / "tests" / "data" / "kserve"
 KSERVE_CRD_FILES = ("serving.kserve.io_inferenceservices.yaml", "serving.kserve.io_inferencegraphs.yaml",
                     "serving.kserve.io_servingruntimes.yaml")
 
-# The KServe releases the manifests support (README, "Compatibility"), and the oldest one each
+# The KServe releases the manifests support (docs/deploy/compatibility.md), and the oldest one each
 # overlay needs: everything the overlays use is in v0.14.0. (The A/B overlay's InferenceGraph
 # needed v0.16.0 for routerTimeouts; its HTTPRoute is Gateway API's, GATEWAY_API_RELEASES below.)
 # spec.canary[] (RawDeployment canaries, which `cubeserve rollout` adds) needs v0.20.0; no overlay
@@ -97,7 +97,7 @@ def kserve_crd(release: str | None, file: str) -> dict:
     return json.loads(gzip.decompress(path.read_bytes()))["crds"][file]
 
 
-# Releases inside the range that the manifests do not support, and why (README, Compatibility).
+# Releases inside the range that the manifests do not support, and why (docs/deploy/compatibility.md).
 EXCLUDED_KSERVE = {
     "v0.16.0": "its validating webhook refuses every update of an InferenceService annotated with the "
                "deployment mode names the manifests use (Serverless, RawDeployment) once its controller has "

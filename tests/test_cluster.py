@@ -2,7 +2,7 @@
 controller (tests/cluster_stack.py; `make cluster-test`, marker `cluster`), once per KServe
 release whose manager cluster/build.py builds (v0.20.0, v0.15.2), as a user runs them:
 
-* every overlay applied with `kubectl apply --server-side -k` (the README's way) is accepted by
+* every overlay applied with `kubectl apply --server-side -k` (docs/deploy/index.md's way) is accepted by
   the API server (CRD schemas with their CEL rules, strict field validation, admission webhooks,
   RBAC) and reconciled by KServe into Deployments and Services whose pods (KWOK's: no container
   runs) are Running and Ready on the fake GPU nodes; `canary` (Serverless) is accepted, and KServe
@@ -65,7 +65,7 @@ def stack(request, tmp_path_factory):
 
 @pytest.fixture
 def ns(stack, request):
-    """A fresh namespace with the Secrets the README has users create first: the admin key
+    """A fresh namespace with the Secrets docs/deploy/index.md has users create first: the admin key
     (cube-serve-admin) and the storage credentials the predictor's ServiceAccount lists
     (cube-serve-s3, with KServe's S3 annotations)."""
     # Short: KServe makes host names <isvc>-<predictor>-predictor-<namespace> (one DNS label, at
@@ -90,7 +90,7 @@ def newest_only(stack) -> None:
 # -- what a user runs ----------------------------------------------------------------------------
 
 def apply_k(stack, path: str, ns: str | None, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`kubectl apply --server-side -k k8s/PATH -n NS`, as README's "Deploy" says."""
+    """`kubectl apply --server-side -k k8s/PATH -n NS`, as docs/deploy/index.md says."""
     return stack.kubectl("apply", "--server-side", "-k", str(REPO / "k8s" / path), *(["-n", ns] if ns else []),
                          *flags, check=check)
 
@@ -439,7 +439,7 @@ def test_a_storage_uri_edited_by_hand_is_drift(stack, ns):
 
 
 def test_the_overlay_applied_again_after_a_promote(stack, ns):
-    """Server-side (the README's way): a conflict with cubeserve-rollout over storageUri, and the
+    """Server-side (docs/deploy/index.md's way): a conflict with cubeserve-rollout over storageUri, and the
     API server changes nothing. Client-side: storageUri is written back, and status reports it."""
     newest_only(stack)
     deploy_raw(stack, ns)

@@ -529,7 +529,7 @@ def test_a_client_cannot_bill_another_tenant_from_the_body(start, server):
 
 # -- k8s/gateway: Envoy Gateway v1.9.0 and the Gateway API it bundles ---------------------------------
 
-ENVOY_GATEWAY = "v1.9.0"  # the oldest release whose CRDs k8s/gateway/ is checked against (README)
+ENVOY_GATEWAY = "v1.9.0"  # the oldest release whose CRDs k8s/gateway/ is checked against (docs/gateway/index.md)
 # The CEL rules (x-kubernetes-validations) of those CRDs that k8s/gateway/ comes near, by message
 # (jsonschema does not run CEL): each is looked up in the vendored CRD, then applied as written there.
 CEL_RULES = {

@@ -115,7 +115,7 @@ def test_every_overlay_matches_the_newest_kserve_crds(overlay):
         assert crd_errors(obj, schemas) == [], f"{name}: {obj['kind']} {obj['metadata']['name']}"
 
 
-# -- the KServe releases each overlay supports (README, "Compatibility") -----------------------------
+# -- the KServe releases each overlay supports (docs/deploy/compatibility.md) -----------------------------
 
 def test_the_compatibility_table_covers_every_overlay_and_the_releases_at_hand():
     assert set(MIN_KSERVE) == set(OVERLAYS)
@@ -293,7 +293,7 @@ def test_the_runtime_alone_sets_the_security_context_and_selects_nothing_by_itse
         assert security["runAsUser"] == 20000 and security["capabilities"] == {"drop": ["ALL"]}
 
 
-# -- stopping a pod (README, "Draining"; tests/test_drain.py runs it) --------------------------------
+# -- stopping a pod (docs/deploy/draining.md; tests/test_drain.py runs it) --------------------------------
 
 def test_the_raw_overlays_drain_a_pod_before_it_stops(overlay):
     """RawDeployment: the preStop hook is cubeserve.deploy's drain, the grace period covers it and
@@ -358,7 +358,7 @@ def test_runtime_args_are_the_deploy_modules(overlay):
 
 
 def test_the_admin_key_comes_from_a_secret_and_the_pod_locks_the_admin_apis(overlay):
-    """README, "Security": the pod's container gets the admin key from the Secret (never a value
+    """docs/security.md: the pod's container gets the admin key from the Secret (never a value
     in the manifests; not optional, so a pod without it does not start), and its command, run
     by the supervisor, gives tritonserver the restricted-API flags for HTTP and gRPC (with a key
     of the supervisor's own: the admin key is checked by the front ends); both of tritonserver's
@@ -705,7 +705,7 @@ def test_the_pipelines_rbac_allows_exactly_what_the_steps_call():
     # records the calls against the KubeRay stand-in).
     assert [(r["apiGroups"], r["resources"], sorted(r["verbs"]), r.get("resourceNames"))
             for r in roles["cube-serve-batch"]["rules"]] == [(["ray.io"], ["rayjobs"], ["create", "get"], None)]
-    # Every Role is bound to the account the README tells users to run as.
+    # Every Role is bound to the account docs/pipeline.md tells users to run as.
     assert {b["roleRef"]["name"] for b in bindings} == set(roles)
     for binding in bindings:
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]

@@ -73,7 +73,7 @@ def test_conditional_writes(store):
 
 def test_rclone_serve_s3_ignores_conditional_writes(tmp_path, monkeypatch):
     """What `make pipeline` runs on: the probe finds out, and the steps say that overlapping runs
-    are not protected there (README)."""
+    are not protected there (docs/pipeline.md)."""
     from kfp_pipelines.local_services import ObjectStore
 
     with ObjectStore(tmp_path / "s3") as rclone:

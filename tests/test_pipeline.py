@@ -268,7 +268,7 @@ def test_a_candidate_that_fails_the_analysis_is_rolled_back_automatically(cluste
 
 # -- the KServe target, against the cluster stand-in of tests/test_rollout.py -------------------------
 # Serverless (the canary overlay), where KServe splits traffic between revisions: a raw canary
-# gets no traffic from KServe v0.20 (README), so no analysis window would see it. The stand-in
+# gets no traffic from KServe v0.20 (docs/deploy/rollouts.md), so no analysis window would see it. The stand-in
 # API server refuses (403) what the pipeline's Role (k8s/pipeline) does not allow, as RBAC does.
 
 def pipeline_role_rules() -> list[dict]:

@@ -32,7 +32,7 @@ REGISTRY = r.VersionRegistry(BASE, ("1", "2", "3"))
 
 
 # The KServe releases tests/kserve_standin.py models (each step of its per-release behaviour), and
-# those the manifests support (k8s_validation.EXCLUDED_KSERVE, README): the rollout tests run on each.
+# those the manifests support (k8s_validation.EXCLUDED_KSERVE, docs/deploy/compatibility.md): the rollout tests run on each.
 MODELLED_KSERVE = ("v0.14.0", "v0.15.0", "v0.15.1", "v0.16.0", "v0.17.0", "v0.19.0", "v0.20.0")
 SUPPORTED_MODELLED = tuple(release for release in MODELLED_KSERVE if release not in EXCLUDED_KSERVE)
 per_release = pytest.mark.parametrize("release", SUPPORTED_MODELLED)
@@ -631,7 +631,7 @@ def test_a_serverless_roll_out_passes_the_deployment_mode_webhook_except_where_e
     """The overlays annotate the mode with the names every release knows (Serverless); KServe's
     validating webhook compares it with the status (kserve_standin.validate_update, per release).
     On v0.16.0 every update is refused, so v0.16.0 is out of the declared range
-    (k8s_validation.EXCLUDED_KSERVE, README); on every other release a canary and its promote pass."""
+    (k8s_validation.EXCLUDED_KSERVE, docs/deploy/compatibility.md); on every other release a canary and its promote pass."""
 
     world = World("canary", release=release)
     if release in EXCLUDED_KSERVE:
@@ -1326,7 +1326,7 @@ def test_cluster_client_over_http(tmp_path, monkeypatch):
         stub.close()
 
 
-# Reads the roll-out's preflight makes and can do without (README, "Permissions": it says so and
+# Reads the roll-out's preflight makes and can do without (docs/pipeline.md, "Permissions": it says so and
 # relies on strict field validation): the cluster-scoped CRD, KServe's own ConfigMap.
 OPTIONAL_PREFLIGHT_READS = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "get", "inferenceservices.serving.kserve.io"),

@@ -1,4 +1,4 @@
-"""Hostile clients against the real server (README, "Security"): the admin APIs locked over HTTP
+"""Hostile clients against the real server (docs/security.md): the admin APIs locked over HTTP
 and gRPC, shared memory refused in requests, oversized and deeply nested bodies refused, each
 while a generation is in flight that must still complete, on a server started by LocalTriton
 (as `cubeserve serve`) and on one started with the ServingRuntime's own arguments. Round 2: the

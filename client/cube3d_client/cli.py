@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="Host header / gRPC authority of a KServe InferenceService")
     p.add_argument("--user", help="user key of an experiment (header x-cube3d-user): one user, one arm")
     p.add_argument("--api-key", default=os.environ.get("CUBE3D_API_KEY"),
-                   help="your team's key for the gateway (default $CUBE3D_API_KEY; README, \"Gateway\")")
+                   help="your team's key for the gateway (default $CUBE3D_API_KEY; docs/gateway/index.md)")
     p.add_argument("--ssl", action="store_true")
     p.add_argument("--out", default="output.glb", help=".glb or .obj")
     p.add_argument("--preview", help="also write a PNG preview")

@@ -100,7 +100,7 @@ class Cube3DClient:
         # The user key of an experiment (sent as the header x-cube3d-user): one user, one arm;
         # or an arm pinned by name (x-cube3d-arm), e.g. to check one arm by hand.
         self.user, self.arm = user, arm
-        self.api_key = api_key  # a tenant's key for the gateway (README, "Gateway"), sent as a bearer token
+        self.api_key = api_key  # a tenant's key for the gateway (docs/gateway/index.md), sent as a bearer token
         self._client = None
 
     # -- transport ------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def _hcm(stat_prefix: str, routes: list[dict], filters: list[dict], **extra) -> 
 
 def _refuse(match: dict, what: str) -> dict:
     return {"match": match, "direct_response": {"status": 403, "body": {"inline_string": json.dumps(
-        {"error": f"{what}: an admin API, not served through the gateway (README, \"Security\")"})}}}
+        {"error": f"{what}: an admin API, not served through the gateway (docs/security.md)"})}}}
 
 
 def _tenant_route(config: GatewayConfig, tenant) -> dict:

@@ -61,7 +61,7 @@ def _model_config_json(config_pbtxt: str, versions: list[int], experiment: str =
 
 
 def admin_headers(key: str | None = None) -> dict[str, str]:
-    """The admin header for tritonserver's model-repository API (README, "Security"): `key`, else
+    """The admin header for tritonserver's model-repository API (docs/security.md): `key`, else
     the one the step got from the Secret (cubeserve.deploy.ADMIN_SECRET) in its environment."""
     from cubeserve import deploy
 

@@ -87,7 +87,7 @@ def preflight(checkpoint: str, model_store: str) -> None:
         if missing:
             raise storage.StorageError(
                 f"no S3 credentials: {', '.join(missing)} not set; create the Secret {S3_SECRET} in the run's "
-                f"namespace with the keys {', '.join(S3_SECRET_KEYS)} (README, 'Running the pipeline from the "
+                f"namespace with the keys {', '.join(S3_SECRET_KEYS)} (docs/pipeline.md, 'Running the pipeline from the "
                 f"Kubeflow UI')")
     storage.list_dirs(model_store)  # the endpoint answers, the credentials are good, the bucket exists
 

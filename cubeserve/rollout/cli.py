@@ -278,7 +278,7 @@ def add_rollout_parser(subparsers) -> argparse.ArgumentParser:
 
     p = subparsers.add_parser(
         "rollout", help="canary / promote / rollback / A-B on the KServe InferenceService",
-        description="Roll checkpoint versions out on KServe (see README, Deploying on KServe). "
+        description="Roll checkpoint versions out on KServe (see docs/deploy/). "
                     "Version V is the model repository at <baseUri>/<V>/ of the ConfigMap cube3d-versions.")
     sub = p.add_subparsers(dest="rollout_command", required=True)
     s = sub.add_parser("status", parents=[common], help="stable version, canary, traffic, drift")

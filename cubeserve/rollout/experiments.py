@@ -160,7 +160,7 @@ def plan_experiment(configmap: Mapping | None, exp: serving_experiment.Experimen
             if missing:
                 raise RolloutError(f"InferenceService {isvc_name} loads versions {', '.join(map(str, sorted(loaded)))} "
                                    f"only; the experiment also needs {', '.join(map(str, missing))}: point its "
-                                   f"storageUri at a version set that holds them (README, A/B)")
+                                   f"storageUri at a version set that holds them (docs/deploy/ab.md)")
     text = exp.to_json() if exp is not None else ""
     try:
         before = describe(read(configmap))

@@ -4,8 +4,8 @@ endpoint, which listens on the loopback only (cubeserve.deploy.TRITON_HTTP_PORT)
 Why: Triton 2.51's HTTP frontend crashes (SIGSEGV, every request in flight lost) on bodies a
 careless script sends: a JSON body of 8 MB or more without a JSON Content-Type (what curl and
 urllib send by default), or a small body nested 100,000 deep. Newer Tritons fix some of these
-(server#8172 limits JSON depth, #8432 large JSON inputs, #8770 chunk counts; see README,
-"Security"), but the local server is 2.51 and no newer one installs here. So no byte a client
+(server#8172 limits JSON depth, #8432 large JSON inputs, #8770 chunk counts; see
+docs/security.md), but the local server is 2.51 and no newer one installs here. So no byte a client
 sends reaches Triton's JSON parser: this front end reads the body within a bound (413 past it),
 parses it with Python's json module (which fails cleanly on any depth), checks it against the
 shape of the v2 request it may be (400 naming the field otherwise), and forwards a document it
@@ -71,7 +71,7 @@ LISTEN_BACKLOG = 128
 
 @dataclass(frozen=True)
 class Limits:
-    """What the front end holds at most, whatever clients do (README, "Security").
+    """What the front end holds at most, whatever clients do (docs/security.md).
 
     connections: client connections open at once; one more is answered 503 and closed (each
       open connection is a file descriptor, and one more while its request is forwarded).
@@ -372,7 +372,7 @@ class FrontEnd(LoopThread):
         if ADMIN.fullmatch(path) and request.method in ("GET", "POST"):
             if not self._authorized(request):
                 raise Refused(403, f"This API is restricted: it needs the admin header '{deploy.ADMIN_HEADER}' "
-                                   "(README, \"Security\")")
+                                   "(docs/security.md)")
             return "admin", self.max_admin_body
         if request.method == "GET" and OPEN_GET.fullmatch(path):
             return "get", 0

@@ -156,7 +156,7 @@ class GrpcFrontEnd(LoopThread):
             key = key.encode("utf-8", "surrogateescape") if isinstance(key, str) else bytes(key)
             if not hmac.compare_digest(key, self.admin_key):
                 raise Refused(403, f"This API is restricted: it needs the metadata '{deploy.GRPC_ADMIN_METADATA}' "
-                                   "(README, \"Security\")")
+                                   "(docs/security.md)")
             metadata.append((deploy.GRPC_ADMIN_METADATA, self.upstream_key))
         return metadata
 

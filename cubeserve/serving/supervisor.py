@@ -34,7 +34,7 @@ HTTP and gRPC): clients give the key in $CUBE3D_ADMIN_KEY (or a random key nobod
 is unset, or the key `--admin-key-file` names, written there for the server's life), which the
 front ends check; tritonserver itself is locked with a key of its own, made at each start, so
 that the admin key is on no process's command line (tritonserver's key is: a local user who can
-list processes and reach its loopback ports can use it; README, "Security").
+list processes and reach its loopback ports can use it; docs/security.md).
 
 The front ends hold bounded resources (front.Limits, grpc_front.GrpcLimits): the supervisor
 raises its open-file limit (to its hard limit, at most OPEN_FILES) and sizes the connection caps
