@@ -37,7 +37,7 @@ import reference  # noqa: E402
 
 # Where the site is published (mkdocs.yml's site_url): the alerts' runbook_url start with it.
 SITE_URL = "https://cube-serve.readthedocs.io/en/latest/"
-RUNBOOKS = "operations/runbooks/"
+RUNBOOKS = "operations/runbooks.html"
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
 # Two plugins print a banner about MkDocs' future on every build; it is not a warning of the site.
 QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
@@ -285,7 +285,7 @@ def alerts() -> dict[str, dict]:
 def test_every_alert_links_its_runbook_entry_and_every_entry_is_an_alerts():
     site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     assert site["site_url"] == SITE_URL
-    headings = re.findall(r"^## (\S+)$", (ROOT / "docs" / RUNBOOKS.rstrip("/")).with_suffix(".md").read_text(), re.M)
+    headings = re.findall(r"^## (\S+)$", (ROOT / "docs" / RUNBOOKS).with_suffix(".md").read_text(), re.M)
     found = alerts()
     assert found and sorted(headings) == sorted(found), "docs/operations/runbooks.md needs one `## AlertName` " \
         f"per alert: missing {sorted(set(found) - set(headings))}, not an alert {sorted(set(headings) - set(found))}"
@@ -300,14 +300,14 @@ def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_referen
     result = subprocess.run([str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-d", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, env={**os.environ, **QUIET}, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    cli = (tmp_path / "reference" / "cli" / "index.html").read_text()
+    cli = (tmp_path / "reference" / "cli.html").read_text()
     for words in reference.commands():
         assert " ".join(words) in cli, words
-    metrics = (tmp_path / "reference" / "metrics" / "index.html").read_text()
+    metrics = (tmp_path / "reference" / "metrics.html").read_text()
     assert all(m.name in metrics for m in reference.metrics())
     for plot in ("tokens-per-second", "latency-vs-concurrency", "numerics"):
         assert (tmp_path / "performance" / f"{plot}.svg").stat().st_size > 1000, plot
     # BENCHMARKS.md is included whole, not copied.
-    page = (tmp_path / "performance" / "benchmarks" / "index.html").read_text()
+    page = (tmp_path / "performance" / "benchmarks.html").read_text()
     headings = re.findall(r"^##+ ([^`\n]+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)
     assert headings and all(h.strip() in page for h in headings)
