@@ -8,6 +8,8 @@ what it tells users to type holds against the code.
   bad value fails), `make` targets and variables must exist in the Makefile, `kubectl` commands
   run against the rendered manifests without a cluster (`--dry-run=client`, `kubectl kustomize`,
   or flags checked against an address nothing listens on), `python -m` modules must exist.
+* Every other block names its language and parses; a kustomize patch is applied to an overlay and
+  the result validated as tests/test_k8s.py validates the overlays.
 * Every flag named in the prose (`--flag` in code) is one the repository's code defines, or one of
   the other tools' listed in OTHER_TOOLS_FLAGS.
 * Every metric name the pages mention is one the server registers (docs/gen/reference.py reads
@@ -224,6 +226,31 @@ def test_kubectl_commands_run_against_the_manifests_without_a_cluster():
                                 capture_output=True, text=True, env=env, timeout=60)
         assert not re.search(r"unknown (flag|command|shorthand)|flag needs an argument|error: unknown",
                              result.stderr), f"{where}: {' '.join(words)}\n{result.stderr}"
+
+
+def test_yaml_patches_apply_to_the_raw_overlay_and_the_result_validates(tmp_path):
+    """A kustomize patch the docs show (e.g. Draining's ingress timeouts), applied to
+    k8s/overlays/raw as a user would, renders, and every object passes tests/k8s_validation.py
+    (KServe's API and the Kubernetes schemas, unknown fields refused)."""
+    from k8s_validation import validate
+
+    patches = [(f"{page}:{line}", doc) for page, line, language, content in fences() if language == "yaml"
+               for doc in [yaml.safe_load(content)]
+               if isinstance(doc, list) and all(isinstance(p, dict) and "patch" in p for p in doc)]
+    assert patches, "no kustomize patch in the docs: drop this test or point it at the new one"
+    for i, (where, doc) in enumerate(patches):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / "kustomization.yaml").write_text(yaml.safe_dump(
+            {"resources": [os.path.relpath(ROOT / "k8s" / "overlays" / "raw", folder)], "patches": doc}))
+        result = subprocess.run([KUBECTL, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(folder)],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"{where}\n{result.stderr}"
+        objects = [o for o in yaml.safe_load_all(result.stdout) if o]
+        errors = [e for o in objects for e in validate(o)]
+        assert not errors, f"{where}: {errors}"
+        assert result.stdout != subprocess.run([KUBECTL, "kustomize", str(ROOT / "k8s" / "overlays" / "raw")],
+                                               capture_output=True, text=True).stdout, f"{where}: changes nothing"
 
 
 def test_other_programs_are_known():
