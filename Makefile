@@ -21,11 +21,11 @@ install: $(VENV)/.installed
 # builds and downloads. The cluster tests are `make cluster-test`.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster" --durations=30  # the slowest 30, to keep the suite within its time
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e" --durations=30  # the slowest 30, to keep the suite within its time
 
 # The inner loop: everything but the image build (tests/test_image.py, marker `image`).
 test-quick: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # tiny random demo weights are written into the version directories on first use.
@@ -111,6 +111,12 @@ image-test: install
 
 clean:
 	rm -rf outputs triton_models/*/[0-9]*/weights
+
+# The gateway's heavier end-to-end tests (marker `gateway_e2e`; not part of `make test`): a region
+# flapping under load, one request's trace through every hop (docs/gateway/regions-models-traces.md).
+.PHONY: gateway-e2e-test
+gateway-e2e-test: install
+	$(PY) -m pytest -q -m gateway_e2e tests/test_gateway_regions.py
 
 # A real Kubernetes control plane for the cluster tests, built from Go modules with the machine's Go
 # (docs/development.md, "Cluster tests"): kube-apiserver, -controller-manager, -scheduler, etcd, KWOK and KServe's

@@ -216,7 +216,8 @@ def cmd_gateway(args) -> int:
     _wait_then_stop(gateway, f"gateway on {gateway.url} (Envoy pid {gateway.process.pid}, admin and stats "
                              f"{gateway.admin_url}) -> {backends}; tenants {', '.join(cfg.tenant_ids)}; an object "
                              f"costs {cfg.tokens_per_object} shape tokens ({cfg.model}); servers meter these tenants "
-                             f"when started with CUBE3D_TENANTS={','.join(cfg.tenant_ids)}; Ctrl-C stops it")
+                             f"when started with CUBE3D_TENANTS={','.join(cfg.tenant_ids)} "
+                             f"CUBE3D_MODELS={','.join(m.name for m in cfg.models)}; Ctrl-C stops it")
     return 0
 
 

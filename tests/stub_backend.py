@@ -8,7 +8,7 @@ GB of memory on the two shared cores, and what those tests check is what Envoy d
 whatever the backend computes. The tests that need the server itself (a mesh, its metrics) use
 the real one (tests/test_gateway.py).
 
-    python tests/stub_backend.py --port P --log FILE [--delay S] [--name NAME]
+    python tests/stub_backend.py --port P --log FILE [--delay S] [--name NAME] [--max-in-flight N]
 """
 
 from __future__ import annotations
@@ -28,8 +28,11 @@ def main() -> None:
     p.add_argument("--log", required=True)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--name", default="backend")
+    p.add_argument("--max-in-flight", type=int, default=0,
+                   help="answer 503 at once while this many POSTs are in progress (a full server); 0: no limit")
     args = p.parse_args()
     lock = threading.Lock()
+    in_flight = [0]
     log = open(args.log, "a", buffering=1)
 
     class Handler(BaseHTTPRequestHandler):
@@ -50,9 +53,18 @@ def main() -> None:
 
         def do_POST(self):
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._record()
-            time.sleep(args.delay)
-            self._reply(200, json.dumps({"backend": args.name}).encode())
+            with lock:
+                full = args.max_in_flight and in_flight[0] >= args.max_in_flight
+                in_flight[0] += not full
+            if full:  # as the real server's busy answer: 503, nothing recorded
+                return self._reply(503, json.dumps({"error": "unavailable: busy", "backend": args.name}).encode())
+            try:
+                self._record()
+                time.sleep(args.delay)
+                self._reply(200, json.dumps({"backend": args.name}).encode())
+            finally:
+                with lock:
+                    in_flight[0] -= 1
 
         def _record(self) -> None:
             line = json.dumps({"backend": args.name, "method": self.command, "path": self.path,

@@ -26,7 +26,8 @@ COUNTERS = {m.REQUESTS, m.MESHES, m.SHADOW_REQUESTS,
             m.TENANT_REQUESTS, m.TENANT_OBJECTS, m.TENANT_SHAPE_TOKENS, m.TENANT_ENGINE_SECONDS}
 HISTOGRAMS = {m.REQUEST_DURATION, m.TIME_PER_OUTPUT_TOKEN, m.QUEUE_TIME, m.SHADOW_DURATION, m.SHADOW_AGREEMENT}
 # The labels of those series (metrics.py's docstring), and those the scrape adds.
-SERIES_LABELS = {"model", "version", "arm", "outcome", "quality", "measure", "baseline", "tenant", "le"}
+SERIES_LABELS = {"model", "version", "arm", "outcome", "quality", "measure", "baseline", "tenant", "gateway_model",
+                 "le"}
 TARGET_LABELS = {"namespace", "pod", "serving_kserve_io_inferenceservice"}
 
 

@@ -18,17 +18,34 @@ What a request meets, in order (the edge listener's HTTP filters, then its route
    are refused (403), whatever the key and headers: operators reach them on the server itself.
 6. The tenant's cluster: its circuit breaker allows `max_in_flight` requests at once; one more is
    an overflow, answered 429 with Retry-After (local_reply_config maps the UO flag).
-7. An internal listener, then the `backends` cluster shared by all tenants: LEAST_REQUEST (so
-   the load of every tenant counts), active health checks on the readiness path, outlier ejection
-   at a refused or cut connection and on gateway errors, and retries of connect failures, resets
-   and 503s on another backend, within a retry budget. A generation is a pure function of its
-   request (its seed), so running a reset one again elsewhere is safe.
+7. An internal listener (`backends`), whose routes pick the model by path (and tell the server
+   its model name in x-cube3d-model; a path naming another model than cube3d is rewritten to
+   cube3d), then the model's cluster, shared by all tenants: LEAST_REQUEST (so the load of every
+   tenant counts), active health checks on the readiness path, outlier ejection at a refused or
+   cut connection and on gateway errors, and retries of connect failures, resets and 503s on
+   another backend, within a retry budget. A generation is a pure function of its request (its
+   seed), so running a reset one again elsewhere is safe.
+
+Regions are Envoy priorities (one locality per region): all requests go to the lowest priority
+while enough of its servers are healthy (active health checks, outlier ejection; the
+overprovisioning factor says how many are enough), and fail over to the next when they are not,
+coming back as they recover. Spill-over: a full server answers 503 (the engine's queue is full,
+or a region's ingress caps its requests in flight); the retry goes to a server not tried
+(previous_hosts) in a priority not tried (previous_priorities), so a full region sends the rest
+to the next one. Envoy has no load-based choice between priorities: a region is tried first by
+its priority (give the nearest, lowest-latency region priority 0), and a request it refuses
+pays one round trip to it before the spill-over. Regions of equal priority share their load by
+LEAST_REQUEST, which favours the faster servers.
+
+Tracing (gateway.tracing): W3C trace context in and out, a span per hop, to an OTLP collector.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,9 +56,10 @@ import urllib.request
 from pathlib import Path
 
 from cubeserve import deploy
-from cubeserve.gateway.config import GatewayConfig
+from cubeserve.deploy import PREDICT_MODEL
+from cubeserve.gateway.config import GatewayConfig, Model
 from cubeserve.lifetime import ends_with_this_process
-from cubeserve.serving.experiment import TENANT_KEY
+from cubeserve.serving.experiment import MODEL_KEY, TENANT_KEY
 
 API_KEY_HEADER = "authorization"
 # The admin APIs by deploy.RESTRICTED_APIS category, as path prefixes refused at the edge, and the
@@ -67,10 +85,14 @@ MIN_RETRIES_AT_ONCE = 8
 OUTLIER_DETECTION = {
     "split_external_local_origin_errors": True,
     "consecutive_local_origin_failure": 1, "enforcing_consecutive_local_origin_failure": 100,
-    "consecutive_gateway_failure": 3, "enforcing_consecutive_gateway_failure": 100,
-    "consecutive_5xx": 1 << 20,  # other 5xx answers never eject
+    # 502/503/504 answers never eject: a full server (or region) answers 503, and resting it
+    # would send all its load elsewhere; a server that is down fails its health checks.
+    "consecutive_gateway_failure": 1 << 20, "enforcing_consecutive_gateway_failure": 100,
+    "consecutive_5xx": 1 << 20,  # nor do other 5xx answers
     "interval": "1s", "base_ejection_time": "10s", "max_ejection_percent": 50}
-BACKENDS = "backends"
+BACKENDS = "backends"  # the internal listener all tenants' requests pass, to the models' clusters
+MODEL_HEADER = MODEL_KEY  # the gateway's model name, set for the servers' meters (a client's is removed)
+RETRY_BACK_OFF = "0.025s"  # base of the jittered back-off before a retry (a spill-over waits this)
 CONCURRENCY_RETRY_AFTER_S = 1  # a tenant at its concurrency cap: a request ends within seconds, or more
 _ALL = {"numerator": 100, "denominator": "HUNDRED"}
 _TYPE = "type.googleapis.com/envoy.extensions."
@@ -113,10 +135,57 @@ def _refuse(match: dict, what: str) -> dict:
         {"error": f"{what}: an admin API, not served through the gateway (docs/security.md)"})}}}
 
 
+def model_path(model: Model) -> str:
+    """RE2 for the paths of `model`: its predict model, its stream model (`<name>_stream`), any
+    version, anything below."""
+    return rf"/v2/models/{re.escape(model.name)}(?:_stream)?(?:/.*)?"
+
+
+def _costly_path(model: Model) -> str:
+    """RE2 for the `:path` (query included) of a generation of `model`: what costs shape tokens."""
+    return (rf"/v2/models/{re.escape(model.name)}(?:_stream)?(?:/versions/[0-9]+)?"
+            r"/(?:infer|generate|generate_stream)(?:\?.*)?")
+
+
+def _path_is(key: str, value: str, regex: str) -> dict:
+    return {"header_value_match": {"descriptor_key": key, "descriptor_value": value, "headers": [
+        {"name": ":path", "string_match": {"safe_regex": {"regex": regex}}}]}}
+
+
+def _not_entitled(tenant, model: Model) -> dict:
+    return {"match": {"safe_regex": {"regex": model_path(model)},
+                      "headers": [{"name": TENANT_KEY, "string_match": {"exact": tenant.id}}]},
+            "direct_response": {"status": 403, "body": {"inline_string": json.dumps(
+                {"error": f"tenant {tenant.id} is not entitled to model {model.name}"})}}}
+
+
 def _tenant_route(config: GatewayConfig, tenant) -> dict:
-    quota, cost = tenant.quota, config.tokens_per_object
-    bucket = {"max_tokens": quota.shape_tokens, "tokens_per_fill": quota.shape_tokens,
-              "fill_interval": _duration(quota.per_s)}
+    """The tenant's one route, whatever the model: its token buckets live in this route's
+    limiter, so the tenant's bucket is one across models and regions. A generation of model m
+    takes m's shape tokens from the tenant's bucket (descriptor tenant) and, where the tenant has
+    a quota for m, from that one too (descriptor tenant + model): Envoy takes from every
+    descriptor that matches and refuses when any is empty. Other requests (health, metadata)
+    match no descriptor and cost nothing."""
+    quota = tenant.quota
+    descriptors = [{"entries": [{"key": "tenant", "value": tenant.id}], "token_bucket": {
+        "max_tokens": quota.shape_tokens, "tokens_per_fill": quota.shape_tokens,
+        "fill_interval": _duration(quota.per_s)}}]
+    per_model = dict(tenant.model_quotas)
+    rate_limits = []
+    for model in config.models:
+        if not tenant.entitled(model.name):
+            continue
+        costly, cost = _costly_path(model), {"number": model.tokens_per_object}
+        rate_limits.append({"actions": [_path_is("tenant", tenant.id, costly)], "hits_addend": cost})
+        if model.name in per_model:
+            q = per_model[model.name]
+            descriptors.append({"entries": [{"key": "tenant", "value": tenant.id}, {"key": "model", "value": model.name}],
+                                "token_bucket": {"max_tokens": q.shape_tokens, "tokens_per_fill": q.shape_tokens,
+                                                 "fill_interval": _duration(q.per_s)}})
+            rate_limits.append({"actions": [_path_is("tenant", tenant.id, costly),
+                                            _path_is("model", model.name, costly)], "hits_addend": cost})
+    # The limiter's own fill timer ticks at the shortest interval; each bucket's is a multiple of it.
+    tick = math.gcd(quota.per_s, *(q.per_s for q in per_model.values()))
     return {
         "match": {"prefix": "/", "headers": [{"name": TENANT_KEY, "string_match": {"exact": tenant.id}}]},
         "route": {"cluster": f"tenant.{tenant.id}", "timeout": _duration(deploy.REQUEST_TIMEOUT_S)},
@@ -124,16 +193,86 @@ def _tenant_route(config: GatewayConfig, tenant) -> dict:
         "typed_per_filter_config": {"envoy.filters.http.local_ratelimit": {
             "@type": _TYPE + "filters.http.local_ratelimit.v3.LocalRateLimit",
             "stat_prefix": f"quota.{tenant.id}",
-            # The route's own bucket is never the limit: the tenant's descriptor below is.
-            "token_bucket": {"max_tokens": 1 << 30, "tokens_per_fill": 1 << 30, "fill_interval": _duration(quota.per_s)},
+            # The route's own bucket is never the limit: the tenant's descriptors are.
+            "token_bucket": {"max_tokens": 1 << 30, "tokens_per_fill": 1 << 30, "fill_interval": _duration(tick)},
             "always_consume_default_token_bucket": False,
-            "descriptors": [{"entries": [{"key": "tenant", "value": tenant.id}], "token_bucket": bucket}],
-            "rate_limits": [{"actions": [{"generic_key": {"descriptor_key": "tenant", "descriptor_value": tenant.id}}],
-                             "hits_addend": {"number": cost}}],
+            "descriptors": descriptors,
+            "rate_limits": rate_limits,
             "filter_enabled": {"default_value": _ALL}, "filter_enforced": {"default_value": _ALL},
+            # The tenant's interval: a per-model quota's own may be shorter (then this is long).
             "response_headers_to_add": [{"header": {"key": "retry-after", "value": str(quota.per_s)},
                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
         }},
+    }
+
+
+def _retry_policy() -> dict:
+    return {
+        "retry_on": RETRY_ON, "retriable_status_codes": list(RETRIABLE_STATUS_CODES),
+        "num_retries": MAX_RETRIES,
+        # Another server, in a priority (region) not tried yet: a region answering 503 because
+        # it is full spills the request over to the next one.
+        "retry_host_predicate": [{
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {"@type": _TYPE + "retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
+        "retry_priority": {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {"@type": _TYPE + "retry.priority.previous_priorities.v3.PreviousPrioritiesConfig",
+                             "update_frequency": 1}},
+        "host_selection_retry_max_attempts": 5,
+        "retry_back_off": {"base_interval": RETRY_BACK_OFF, "max_interval": "1s"}}
+
+
+def _model_route(model: Model, match: dict) -> dict:
+    route = {"cluster": model_cluster(model), "timeout": _duration(deploy.REQUEST_TIMEOUT_S),
+             "retry_policy": _retry_policy()}
+    if model.name != PREDICT_MODEL:  # the servers know their model as cube3d (and cube3d_stream)
+        route["regex_rewrite"] = {"pattern": {"regex": rf"^/v2/models/{re.escape(model.name)}"},
+                                  "substitution": f"/v2/models/{PREDICT_MODEL}"}
+    return {"match": match, "route": route,
+            "request_headers_to_add": [{"header": {"key": MODEL_HEADER, "value": model.name},
+                                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
+
+
+def model_cluster(model: Model) -> str:
+    return f"model.{model.name}"
+
+
+def _model_cluster(config: GatewayConfig, model: Model) -> dict:
+    """A model's servers: one locality per region at its priority (priorities made contiguous
+    from 0, as Envoy wants them), LEAST_REQUEST among the healthy servers of the first priority
+    with enough of them (the overprovisioning factor), active health checks and outlier
+    detection deciding which are healthy."""
+    rank = {p: i for i, p in enumerate(sorted({r.priority for r in model.regions}))}
+    interval = config.health_check_interval_s
+    many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
+    return {
+        "name": model_cluster(model), "connect_timeout": "2s",
+        # LEAST_REQUEST. Its default picks the better of 2 hosts drawn at random (with
+        # replacement): of 2 backends it draws the slow one twice a quarter of the time. A full
+        # scan takes the backend with the fewest requests in flight (ties at random).
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.least_request",
+            "typed_config": {"@type": _TYPE + "load_balancing_policies.least_request.v3.LeastRequest",
+                             "selection_method": "FULL_SCAN"}}}]},
+        "load_assignment": {
+            "cluster_name": model_cluster(model),
+            "policy": {"overprovisioning_factor": round(config.overprovisioning * 100)},
+            "endpoints": [{"locality": {"region": r.name}, "priority": rank[r.priority], "lb_endpoints": [
+                {"endpoint": {"address": _socket(host, port)}} for host, port in r.backends]}
+                for r in model.regions]},
+        # no_traffic_interval: Envoy's default (60 s) holds from the first check until a host has
+        # had traffic, so a server that died before its first request would be seen a minute late.
+        "health_checks": [{"timeout": _duration(max(1.0, interval)), "interval": _duration(interval),
+                           "no_traffic_interval": _duration(interval),
+                           "unhealthy_threshold": 2, "healthy_threshold": 1,
+                           "http_health_check": {"path": deploy.READY_PATH}}],
+        # A backend rests a while after one refused or cut connection (a dead backend has no
+        # requests in flight, so the full scan above picks it for every try until it is ejected:
+        # tests/test_gateway.py); 503s do not rest it (OUTLIER_DETECTION).
+        "outlier_detection": OUTLIER_DETECTION,
+        "circuit_breakers": {"thresholds": [{**many, "retry_budget": {
+            "budget_percent": {"value": RETRY_BUDGET_PERCENT}, "min_retry_concurrency": MIN_RETRIES_AT_ONCE}}]},
     }
 
 
@@ -142,7 +281,8 @@ def render(config: GatewayConfig) -> dict:
     admin_refusals = [_refuse({"path_separated_prefix": prefix}, prefix)
                       for prefixes in ADMIN_PREFIXES.values() for prefix in prefixes]
     admin_refusals.append(_refuse({"safe_regex": {"regex": MODEL_ADMIN}}, "this path"))
-    edge_routes = [*admin_refusals, *(_tenant_route(config, t) for t in config.tenants)]
+    refusals = [_not_entitled(t, m) for t in config.tenants for m in config.models if not t.entitled(m.name)]
+    edge_routes = [*admin_refusals, *refusals, *(_tenant_route(config, t) for t in config.tenants)]
     edge_filters = [
         {"name": "envoy.filters.http.api_key_auth", "typed_config": {
             "@type": _TYPE + "filters.http.api_key_auth.v3.ApiKeyAuth",
@@ -155,6 +295,7 @@ def render(config: GatewayConfig) -> dict:
         {"name": "envoy.filters.http.local_ratelimit", "typed_config": {
             "@type": _TYPE + "filters.http.local_ratelimit.v3.LocalRateLimit", "stat_prefix": "quota"}},
     ]
+    tracing = _tracing(config, "gateway")
     edge = _hcm("edge", edge_routes, edge_filters,
                 # The peer is the client: x-envoy-* headers from it are dropped (no client sets
                 # its own retries or timeouts), x-forwarded-for is the peer's address.
@@ -163,21 +304,16 @@ def render(config: GatewayConfig) -> dict:
                 early_header_mutation_extensions=[{
                     "name": "envoy.http.early_header_mutation.header_mutation",
                     "typed_config": {"@type": _TYPE + "http.early_header_mutation.header_mutation.v3.HeaderMutation",
-                                     "mutations": [{"remove": TENANT_KEY}]}}],
+                                     "mutations": [{"remove": TENANT_KEY}, {"remove": MODEL_HEADER}]}}],
                 local_reply_config={"mappers": [{
                     "filter": {"response_flag_filter": {"flags": ["UO"]}}, "status_code": 429,
                     "headers_to_add": [{"header": {"key": "retry-after", "value": str(CONCURRENCY_RETRY_AFTER_S)},
-                                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}]})
-    inner_route = {"match": {"prefix": "/"}, "route": {
-        "cluster": BACKENDS, "timeout": _duration(deploy.REQUEST_TIMEOUT_S),
-        "retry_policy": {
-            "retry_on": RETRY_ON, "retriable_status_codes": list(RETRIABLE_STATUS_CODES),
-            "num_retries": MAX_RETRIES, "retry_host_predicate": [{
-                "name": "envoy.retry_host_predicates.previous_hosts",
-                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"}}],
-            "host_selection_retry_max_attempts": 5,
-            "retry_back_off": {"base_interval": "0.05s", "max_interval": "1s"}}}}
-    inner = _hcm(BACKENDS, [inner_route], [])
+                                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}]},
+                **tracing)
+    default = config.models[0]
+    inner_routes = [_model_route(m, {"safe_regex": {"regex": model_path(m)}}) for m in config.models]
+    inner_routes.append(_model_route(default, {"prefix": "/"}))  # health, server metadata
+    inner = _hcm(BACKENDS, inner_routes, [], **tracing)
     many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
     tenant_clusters = [{
         "name": f"tenant.{t.id}", "connect_timeout": "5s",
@@ -185,28 +321,9 @@ def render(config: GatewayConfig) -> dict:
         "load_assignment": {"cluster_name": f"tenant.{t.id}", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"envoy_internal_address": {"server_listener_name": BACKENDS}}}}]}]},
     } for t in config.tenants]
-    interval = config.health_check_interval_s
-    backends = {
-        "name": BACKENDS, "connect_timeout": "2s",
-        # LEAST_REQUEST. Its default picks the better of 2 hosts drawn at random (with
-        # replacement): of 2 backends it draws the slow one twice a quarter of the time. A full
-        # scan takes the backend with the fewest requests in flight (ties at random).
-        "load_balancing_policy": {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.least_request",
-            "typed_config": {"@type": _TYPE + "load_balancing_policies.least_request.v3.LeastRequest",
-                             "selection_method": "FULL_SCAN"}}}]},
-        "load_assignment": {"cluster_name": BACKENDS, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": _socket(host, port)}} for host, port in config.backends]}]},
-        "health_checks": [{"timeout": _duration(max(1.0, interval)), "interval": _duration(interval),
-                           "unhealthy_threshold": 2, "healthy_threshold": 1,
-                           "http_health_check": {"path": deploy.READY_PATH}}],
-        # A backend rests a while after one refused or cut connection (a dead backend has no
-        # requests in flight, so the full scan above picks it for every try until it is ejected:
-        # tests/test_gateway.py), or after answering 502/503/504 3 times in a row.
-        "outlier_detection": OUTLIER_DETECTION,
-        "circuit_breakers": {"thresholds": [{**many, "retry_budget": {
-            "budget_percent": {"value": RETRY_BUDGET_PERCENT}, "min_retry_concurrency": MIN_RETRIES_AT_ONCE}}]},
-    }
+    clusters = [*tenant_clusters, *(_model_cluster(config, m) for m in config.models)]
+    if config.tracing:
+        clusters.append(_collector_cluster(config.tracing.collector))
     admin = {"address": _socket("127.0.0.1", config.admin_port)}
     return {
         "node": {"id": "cube-serve-gateway", "cluster": "cube-serve-gateway"},
@@ -222,13 +339,41 @@ def render(config: GatewayConfig) -> dict:
                 {"name": "edge", "address": _socket(*config.listen), "filter_chains": [{"filters": [edge]}]},
                 {"name": BACKENDS, "internal_listener": {}, "filter_chains": [{"filters": [inner]}]},
             ],
-            "clusters": [*tenant_clusters, backends],
+            "clusters": clusters,
         },
     }
 
 
-def _redact(text: str, config: GatewayConfig) -> str:
-    for tenant in config.tenants:
+# -- tracing: W3C trace context, spans to an OpenTelemetry collector --------------------------------
+
+COLLECTOR = "otel-collector"
+
+
+def _collector_cluster(address: tuple[str, int]) -> dict:
+    return {"name": COLLECTOR, "connect_timeout": "2s", "type": "STRICT_DNS",
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _TYPE + "upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}},
+            "load_assignment": {"cluster_name": COLLECTOR, "endpoints": [{"lb_endpoints": [
+                {"endpoint": {"address": _socket(*address)}}]}]}}
+
+
+def _tracing(config: GatewayConfig, service: str) -> dict:
+    """The HCM's tracing: Envoy's OpenTelemetry tracer reads and writes W3C `traceparent`
+    (joining a client's trace, or starting one), and exports a span per hop over OTLP/gRPC."""
+    if not config.tracing:
+        return {}
+    return {"tracing": {
+        "random_sampling": {"value": config.tracing.sample_percent},
+        "spawn_upstream_span": True,
+        "provider": {"name": "envoy.tracers.opentelemetry", "typed_config": {
+            "@type": "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig",
+            "grpc_service": {"envoy_grpc": {"cluster_name": COLLECTOR}, "timeout": "1s"},
+            "service_name": "cube-serve-gateway"}}}}
+
+
+def _redact(text: str, config: GatewayConfig | None) -> str:
+    for tenant in config.tenants if config else ():
         for key in tenant.keys:
             text = text.replace(key, "<key>")
     return text
@@ -281,9 +426,14 @@ class Gateway:
             self.stop()
             raise
 
-    def _start(self, timeout: float) -> "Gateway":
+    def _write(self) -> Path:
+        """Envoy's file, rendered and validated."""
         path = write(self.config, self.workdir)
         validate(self.config, path)
+        return path
+
+    def _start(self, timeout: float) -> "Gateway":
+        path = self._write()
         address_file = self.workdir / "admin-address"
         address_file.unlink(missing_ok=True)
         self._log = open(self.log_path, "a+b")
@@ -324,7 +474,9 @@ class Gateway:
         return out
 
     def healthy_backends(self) -> int:
-        return self.stats().get(f"cluster.{BACKENDS}.membership_healthy", 0)
+        """Healthy servers, all models and regions together."""
+        stats = self.stats()
+        return sum(stats.get(f"cluster.{model_cluster(m)}.membership_healthy", 0) for m in self.config.models)
 
     def wait_healthy(self, count: int | None = None, timeout: float = 30.0) -> None:
         count = len(self.config.backends) if count is None else count

@@ -1,6 +1,6 @@
 """`cubeserve usage`: what each tenant used over a window, from the servers' per-tenant counters
 (serving/metrics.py, cube3d_tenant_*) in Prometheus: requests by outcome, objects, shape tokens and
-engine seconds, per tenant and model version, as a table or CSV.
+engine seconds, per tenant, model (the gateway's name) and model version, as a table or CSV.
 
 Exact, not PromQL's increase() (which extrapolates to the window's edges: 32 tokens read as 39,
 and misses a series' first request): each series' raw samples in the window, summed step by
@@ -24,7 +24,8 @@ import urllib.request
 
 from cubeserve.serving import metrics as names
 
-COLUMNS = ("tenant", "version", *names.OUTCOMES, "objects", "shape_tokens", "engine_seconds")
+COLUMNS = ("tenant", "model", "version", *names.OUTCOMES, "objects", "shape_tokens", "engine_seconds")
+_KEYS = 3  # the columns that name a row
 _WINDOW = re.compile(r"[0-9]+[smhdw]")
 NO_TENANT = "(none)"  # requests that did not come through the gateway
 
@@ -55,10 +56,10 @@ def _target(labels: dict) -> tuple[str, str]:
 
 
 def usage(prometheus: str, since: str) -> list[dict]:
-    """One row per (tenant, version) with any request in the last `since` (e.g. 24h, 7d)."""
+    """One row per (tenant, model, version) with any request in the last `since` (e.g. 24h, 7d)."""
     if not _WINDOW.fullmatch(since):
         raise ValueError(f"--since: a Prometheus duration like 24h, 7d or 30m, got {since!r}")
-    rows: dict[tuple[str, str], dict] = {}
+    rows: dict[tuple[str, str, str], dict] = {}
     columns = [(names.TENANT_REQUESTS, None), (names.TENANT_OBJECTS, "objects"),
                (names.TENANT_SHAPE_TOKENS, "shape_tokens"), (names.TENANT_ENGINE_SECONDS, "engine_seconds")]
     # When each server (job, instance) was first scraped in the window.
@@ -72,8 +73,8 @@ def usage(prometheus: str, since: str) -> list[dict]:
                     for s in query(prometheus, f"{metric} offset {since}")}
         for series in query(prometheus, f"{metric}[{since}]"):
             labels = series["metric"]
-            key = (labels.get("tenant", "") or NO_TENANT, labels.get("version", ""))
-            row = rows.setdefault(key, {"tenant": key[0], "version": key[1], **{c: 0 for c in COLUMNS[2:]}})
+            key = (labels.get("tenant", "") or NO_TENANT, labels.get(names.GATEWAY_MODEL_LABEL, ""), labels.get("version", ""))
+            row = rows.setdefault(key, {**dict(zip(COLUMNS, key)), **{c: 0 for c in COLUMNS[_KEYS:]}})
             name = column or labels.get("outcome", "")
             if name in row:
                 values = [float(v) for _, v in series["values"]]
@@ -83,10 +84,10 @@ def usage(prometheus: str, since: str) -> list[dict]:
                     baseline = 0.0 if created else values[0]
                 row[name] += increase([baseline] + values)
     for row in rows.values():
-        for c in COLUMNS[2:]:
+        for c in COLUMNS[_KEYS:]:
             row[c] = round(row[c], 1) if c == "engine_seconds" else round(row[c])
-    used = [r for r in rows.values() if any(r[c] for c in COLUMNS[2:])]
-    return sorted(used, key=lambda r: (r["tenant"], r["version"]))
+    used = [r for r in rows.values() if any(r[c] for c in COLUMNS[_KEYS:])]
+    return sorted(used, key=lambda r: (r["tenant"], r["model"], r["version"]))
 
 
 def as_csv(rows: list[dict]) -> str:
@@ -100,7 +101,7 @@ def as_csv(rows: list[dict]) -> str:
 def as_table(rows: list[dict]) -> str:
     if not rows:
         return "no usage in this window"
-    cells = [list(COLUMNS)] + [[str(r[c]) for c in COLUMNS] for r in rows]
+    cells = [list(COLUMNS)] + [[str(r[c]) or "-" for c in COLUMNS] for r in rows]  # "-": no model header
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
+    return "\n".join("  ".join(v.ljust(w) if i < _KEYS else v.rjust(w) for i, (v, w) in enumerate(zip(line, widths)))
                      for line in cells)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 
-from cubeserve.serving.experiment import PIN_ARM_KEY, TENANT_KEY, USER_KEY
+from cubeserve.serving.experiment import MODEL_KEY, PIN_ARM_KEY, TENANT_KEY, USER_KEY
 
 MAX_TENSORS = 32  # inputs, and outputs, of one request
 MAX_RANK = 8
@@ -142,6 +142,7 @@ REFUSED_PARAMETERS = {
     "shared_memory_offset": "shared memory is not accepted by this server; send the tensor in the request",
     "shared_memory_byte_size": "shared memory is not accepted by this server; send the tensor in the request",
     TENANT_KEY: "the tenant is set by the gateway (its header), never by a request",
+    MODEL_KEY: "the model is set by the gateway (its header), never by a request",
 }
 
 

@@ -45,6 +45,9 @@ PIN_ARM_KEY = "x-cube3d-arm"
 # whatever a client sent. Forwarded to the models as USER_KEY is; an experiment assigns a request
 # without a user key by its tenant, and the per-tenant meters (serving/metrics.py) count it.
 TENANT_KEY = "x-cube3d-tenant"
+# The model a request was sent to, by the gateway's name for it (cube3d, cube3d-v05, ...): set by
+# the gateway too, for the per-tenant meters' `model` label.
+MODEL_KEY = "x-cube3d-model"
 EXPERIMENT_FILE_ENV = "CUBE3D_EXPERIMENT_FILE"
 EXPERIMENT_PARAMETER = "experiment"  # the config.pbtxt parameter of the predict model
 MAX_WEIGHT = 1_000_000

@@ -63,7 +63,7 @@ ADMIN = re.compile(
     rf"|/v2/models(?:/{_NAME}(?:/versions/[0-9]{{1,19}})?)?/stats")
 # Request headers passed on: the experiment's and the gateway's (deploy.HTTP_HEADER_FORWARD_PATTERN
 # makes tritonserver hand them to the models), and the response encodings Triton may use.
-FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant)$")
+FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant|model)$")
 RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
 _HEADER_LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "١٢"
 LISTEN_BACKLOG = 128

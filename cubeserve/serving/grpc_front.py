@@ -60,7 +60,7 @@ ADMIN = {SERVICE + name for name in (
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
     "TraceSetting", "LogSettings")}
-FORWARD_METADATA = ("x-cube3d-user", "x-cube3d-arm", "x-cube3d-tenant")  # as the REST front's headers
+FORWARD_METADATA = ("x-cube3d-user", "x-cube3d-arm", "x-cube3d-tenant", "x-cube3d-model")  # as the REST front's headers
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,16 @@ the version whose answer the client got):
     cube3d_shadow_requests_total{outcome}             counter (outcomes as above, or "skipped")
     cube3d_shadow_request_duration_seconds            histogram, shadow copies that succeeded
     cube3d_shadow_agreement{measure}                  histogram in [0, 1]
-Usage per tenant (the gateway's tenant header, experiment.TENANT_KEY), recorded by the predict
-model, `version` the one that served; `cubeserve usage` reads them back:
-    cube3d_tenant_requests_total{tenant, outcome}     counter
-    cube3d_tenant_objects_total{tenant}               counter, meshes made
-    cube3d_tenant_shape_tokens_total{tenant}          counter, shape tokens generated
-    cube3d_tenant_engine_seconds_total{tenant}        counter, decode + geometry seconds
+Usage per tenant and model (the gateway's headers, experiment.TENANT_KEY and MODEL_KEY), recorded
+by the predict model, `version` the one that served; `cubeserve usage` reads them back:
+    cube3d_tenant_requests_total{tenant, gateway_model, outcome}  counter
+    cube3d_tenant_objects_total{tenant, gateway_model}            counter, meshes made
+    cube3d_tenant_shape_tokens_total{tenant, gateway_model}       counter, shape tokens generated
+    cube3d_tenant_engine_seconds_total{tenant, gateway_model}     counter, decode + geometry seconds
 `tenant` is bounded: one of the ids in $CUBE3D_TENANTS (the gateway's tenants, from its key
 file), "other" for any other value a client sent past the gateway, "" without one.
+`gateway_model` (the gateway's name of the model a request was sent to; `model` is Triton's)
+likewise: one of the names in $CUBE3D_MODELS, "other", or "".
 """
 
 from __future__ import annotations
@@ -88,3 +90,9 @@ def tenant_label(value: str | None, known: frozenset[str]) -> str:
     if not value:
         return ""
     return value if value in known else OTHER_TENANT
+
+
+# The model label's values: the gateway's model names this server may be sent ("cube3d,cube3d-v05").
+MODELS_ENV = "CUBE3D_MODELS"
+GATEWAY_MODEL_LABEL = "gateway_model"
+model_label = tenant_label  # the same bounds: known, "other", or "" without the header

@@ -108,15 +108,17 @@ class Measurements:
         self.observe(names.QUEUE_TIME, labels, queue_seconds)
         self.count(names.MESHES, {**labels, "quality": quality})
 
-    def tenants_loaded(self, version, tenants) -> None:
-        """Each known tenant's usage series at zero from the load on, so that Prometheus's
-        increase() counts a tenant's first request too (a series first seen at 1 is not)."""
+    def tenants_loaded(self, version, tenants, models=()) -> None:
+        """Each known tenant's usage series (for each known model) at zero from the load on, so
+        that Prometheus's increase() counts a tenant's first request too (a series first seen at
+        1 is not)."""
         for tenant in tenants:
-            self.usage(version, tenant, names.OK, 0, 0.0, count=0.0)
+            for model in models or ("",):
+                self.usage(version, tenant, model, names.OK, 0, 0.0, count=0.0)
 
-    def usage(self, version, tenant: str, outcome: str, tokens: int, engine_seconds: float,
+    def usage(self, version, tenant: str, model: str, outcome: str, tokens: int, engine_seconds: float,
               count: float = 1.0) -> None:
-        labels = {"version": str(version), "tenant": tenant}
+        labels = {"version": str(version), "tenant": tenant, names.GATEWAY_MODEL_LABEL: model}
         self.count(names.TENANT_REQUESTS, {**labels, "outcome": outcome}, count)
         if outcome == names.OK:
             self.count(names.TENANT_OBJECTS, labels, count)

@@ -182,7 +182,8 @@ class PredictModel:
         self.measurements = Measurements(args["model_name"])
         self.measurements.loaded(self.version)
         self.tenants = metric_names.known_tenants(os.environ.get(metric_names.TENANTS_ENV))
-        self.measurements.tenants_loaded(self.version, self.tenants)
+        self.models = metric_names.known_tenants(os.environ.get(metric_names.MODELS_ENV))
+        self.measurements.tenants_loaded(self.version, self.tenants, self.models)
         self.experiments = ExperimentSource(params.get(experiment.EXPERIMENT_PARAMETER, ""),
                                             os.environ.get(experiment.EXPERIMENT_FILE_ENV, ""), self.engine_model)
         self.watchdog = threading.Thread(target=self._watch, name="cube3d-watchdog", daemon=True)
@@ -238,7 +239,7 @@ class PredictModel:
         if not forward.claim():
             return
         self.measurements.request(forward.version, forward.arm, outcome, time.monotonic() - forward.started)
-        self.measurements.usage(forward.version, self._tenant(forward.request), outcome, forward.tokens,
+        self.measurements.usage(forward.version, *self._tenant(forward.request), outcome, forward.tokens,
                                 forward.engine_seconds)
         forward.send(answer)
 
@@ -327,13 +328,16 @@ class PredictModel:
         arm = pb_utils.Tensor("ARM", np.array([forward.arm.encode()], dtype=np.object_))
         return outcome, pb_utils.InferenceResponse(output_tensors=[*answer.output_tensors(), arm]), outputs
 
-    def _tenant(self, request) -> str:
-        """The request's tenant label (metrics.tenant_label: bounded by $CUBE3D_TENANTS)."""
+    def _tenant(self, request) -> tuple[str, str]:
+        """The request's tenant and model labels (metrics.tenant_label, model_label: bounded by
+        $CUBE3D_TENANTS and $CUBE3D_MODELS)."""
         try:
-            value = _parameter(json.loads(request.parameters() or "{}"), experiment.TENANT_KEY)
+            parameters = json.loads(request.parameters() or "{}")
+            tenant, model = (_parameter(parameters, experiment.TENANT_KEY),
+                             _parameter(parameters, experiment.MODEL_KEY))
         except Exception:  # noqa: BLE001 - metering never fails a request
-            value = None
-        return metric_names.tenant_label(value, self.tenants)
+            tenant = model = None
+        return metric_names.tenant_label(tenant, self.tenants), metric_names.model_label(model, self.models)
 
     @staticmethod
     def _measure_work(forward: Forward, answer) -> None:

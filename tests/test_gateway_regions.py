@@ -1,0 +1,232 @@
+"""The gateway across regions and models (cubeserve/gateway, docs/gateway/regions-models-traces.md):
+the real Envoy in front of regions emulated on the loopback (gateway/regions.py: an Envoy per
+region adding a fixed delay, 2 ms near and 40 ms far), with tests/stub_backend.py servers behind
+them (a full one answers 503, as the real server does when its queue is full).
+
+In `make test`: priorities as rendered; the near region first, spill-over when it is full,
+fail-over when its servers die, the way back when they return, one quota across regions; models
+by path, entitlements (403) and per-model quotas. Behind the marker `gateway_e2e`
+(`make gateway-e2e-test`): a flapping region under load, and one request's trace through every
+hop in a real trace backend."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from cubeserve.gateway import config as gateway_config
+from cubeserve.gateway.envoy import Gateway, model_cluster, render
+from cubeserve.gateway.regions import RegionFront
+from cubeserve.serving.local_triton import free_port
+from serving_helpers import wait_until
+from test_gateway import INFER, KEYS, Stub, call, envoy, tenant  # noqa: F401 (envoy: the module's skip)
+
+NEAR_MS, FAR_MS = 2, 40
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """stub(name, ...), region(name, stub, delay_ms) and gateway(doc) -> started things, all
+    stopped by their PIDs at the end."""
+    started: list = []
+
+    class Fleet:
+        @staticmethod
+        def stub(name: str, delay: float = 0.0, max_in_flight: int = 0) -> Stub:
+            s = Stub(tmp_path, name, delay, max_in_flight)
+            started.append(s)
+            return s
+
+        @staticmethod
+        def region(name: str, stub: Stub, delay_ms: float) -> RegionFront:
+            r = RegionFront(name, [stub.address], delay_ms, workdir=tmp_path / f"region-{name}")
+            started.append(r)
+            return r.start()
+
+        @staticmethod
+        def gateway(doc: dict) -> Gateway:
+            cfg = gateway_config.parse({"listen": f"127.0.0.1:{free_port()}", "health_check_interval": "1s", **doc})
+            g = Gateway(cfg, tmp_path / f"gateway-{len(started)}", concurrency=1)
+            started.append(g)
+            g.start()
+            g.wait_healthy(timeout=30)
+            return g
+
+    yield Fleet
+    for thing in reversed(started):
+        thing.kill() if isinstance(thing, Stub) else thing.stop()
+
+
+def two_regions(near: RegionFront, far: RegionFront) -> list[dict]:
+    return [{"name": "near", "priority": 0, "backends": [near.address]},
+            {"name": "far", "priority": 1, "backends": [far.address]}]
+
+
+def load(g: Gateway, clients: int, seconds: float, key: str = KEYS["team-a"]) -> list[tuple[int, str]]:
+    """`clients` threads calling as fast as answers come: (status, backend or error) of each."""
+    out, lock, stop = [], threading.Lock(), time.monotonic() + seconds
+
+    def client():
+        while time.monotonic() < stop:
+            status, _, body = call(g, key=key, timeout=30)
+            with lock:
+                out.append((status, json.loads(body).get("backend", "") if status == 200 else body[:200]))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 60)
+    return out
+
+
+def test_regions_render_as_envoy_priorities_with_spill_over_on_retry():
+    """What the behaviour below rests on, as rendered: one locality per region, priorities
+    made contiguous in the file's order of priority, the overprovisioning factor, retries of
+    503 to a priority not tried yet, and health checks that run from the start."""
+    cfg = gateway_config.parse({
+        "regions": [{"name": "cloud", "priority": 7, "backends": ["127.0.0.1:3"]},
+                    {"name": "onprem", "priority": 0, "backends": ["127.0.0.1:1", "127.0.0.1:2"]},
+                    {"name": "dc2", "priority": 0, "backends": ["127.0.0.1:4"]}],
+        "overprovisioning": 1.2, "tenants": [tenant("team-a")]})
+    rendered = render(cfg)
+    [cluster] = [c for c in rendered["static_resources"]["clusters"] if c["name"] == model_cluster(cfg.models[0])]
+    endpoints = cluster["load_assignment"]["endpoints"]
+    assert [(e["locality"]["region"], e["priority"], len(e["lb_endpoints"])) for e in endpoints] == \
+        [("onprem", 0, 2), ("dc2", 0, 1), ("cloud", 1, 1)]
+    assert cluster["load_assignment"]["policy"]["overprovisioning_factor"] == 120
+    [check] = cluster["health_checks"]
+    assert check["no_traffic_interval"] == check["interval"] == "1s"
+    assert cluster["outlier_detection"]["consecutive_gateway_failure"] >= 1 << 20  # a full region is not rested
+    [inner] = [listener for listener in rendered["static_resources"]["listeners"] if listener["name"] == "backends"]
+    for route in inner["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]:
+        retry = route["route"]["retry_policy"]
+        assert 503 in retry["retriable_status_codes"]
+        assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+        assert retry["retry_priority"]["typed_config"]["update_frequency"] == 1
+    with pytest.raises(gateway_config.GatewayConfigError, match="give backends \\(one region\\) or regions"):
+        gateway_config.parse({"backends": ["127.0.0.1:1"], "regions": [], "tenants": [tenant("team-a")]})
+
+
+def test_the_near_region_first_then_spill_over_fail_over_and_back(fleet):
+    """Two regions, near (2 ms, priority 0) and far (40 ms, priority 1), a server in each
+    taking 0.1 s a request; the near one holds 2 requests at once and answers 503 to more.
+    One client: every request at the near region. Six: the near region serves what it can,
+    the far one the rest, and no client sees a 503. The near server killed: every request at
+    the far region, none failed. Back: requests return to the near region. One tenant's quota
+    holds across both regions."""
+    near_server = fleet.stub("near", delay=0.1, max_in_flight=2)
+    far_server = fleet.stub("far", delay=0.1)
+    near, far = fleet.region("near", near_server, NEAR_MS), fleet.region("far", far_server, FAR_MS)
+    g = fleet.gateway({"regions": two_regions(near, far),
+                       "tenants": [tenant("team-a"), tenant("team-b", shape_tokens=2 * 512, per="1h")]})
+
+    quiet = load(g, clients=1, seconds=2)
+    assert quiet and Counter(quiet) == {(200, "near"): len(quiet)}, Counter(quiet)
+
+    busy = load(g, clients=6, seconds=3)
+    shares = Counter(busy)
+    assert set(s for s, _ in busy) == {200}, shares
+    assert shares[(200, "near")] > 0 and shares[(200, "far")] >= len(busy) / 3, shares
+
+    assert call(g, key=KEYS["team-b"])[0] == 200  # team-b's first object, in the near region
+    near_server.kill()
+    down = load(g, clients=3, seconds=3)
+    assert set(s for s, _ in down) == {200} and Counter(down)[(200, "far")] == len(down), Counter(down)
+    wait_until(lambda: g.stats()[f"cluster.{model_cluster(g.config.models[0])}.membership_healthy"] == 1, 10,
+               "the near server failed its health checks")
+    status, _, body = call(g, key=KEYS["team-b"])  # its second, in the far region
+    assert status == 200 and json.loads(body)["backend"] == "far"
+    assert call(g, key=KEYS["team-b"])[0] == 429  # one bucket for the tenant, whatever the region
+
+    near_server.start()
+    wait_until(lambda: json.loads(call(g, key=KEYS["team-a"])[2])["backend"] == "near", 20,
+               "requests back at the near region")
+    back = load(g, clients=1, seconds=1)
+    assert Counter(back) == {(200, "near"): len(back)}, Counter(back)
+
+
+# -- models and entitlements -------------------------------------------------------------------------
+
+def test_models_by_path_with_entitlements_costs_and_per_model_quotas(fleet):
+    """Two models on their own servers: /v2/models/cube3d/... (v0.1, 512 shape tokens an object)
+    and /v2/models/cube3d-v05/... (v0.5, 1024), the latter sent on as cube3d. team-c may call
+    cube3d only: 403 on the other, which no server sees. team-a's one bucket of 2048 tokens pays
+    for both models; team-b has 4096 but at most 1024 of them on cube3d-v05."""
+    v01, v05 = fleet.stub("v01"), fleet.stub("v05")
+    g = fleet.gateway({
+        "models": [{"name": "cube3d", "config": "v0.1", "backends": [v01.address]},
+                   {"name": "cube3d-v05", "config": "v0.5", "backends": [v05.address]}],
+        "tenants": [tenant("team-a", shape_tokens=2048, per="1h"),
+                    {**tenant("team-b", shape_tokens=4096, per="1h"),
+                     "models": {"cube3d": {}, "cube3d-v05": {"shape_tokens": 1024, "per": "1h"}}},
+                    {**tenant("team-c"), "models": ["cube3d"]}]})
+    v05_path = "/v2/models/cube3d-v05/infer"
+
+    # By path, rewritten to the servers' name, the model named to the server.
+    assert call(g, INFER, key=KEYS["team-c"])[0] == 200
+    assert call(g, "/v2/models/cube3d-v05_stream/versions/2/generate", key=KEYS["team-b"])[0] == 200
+    assert [(r["path"], r["headers"]["x-cube3d-model"]) for r in v01.requests()] == [(INFER, "cube3d")]
+    assert [(r["path"], r["headers"]["x-cube3d-model"]) for r in v05.requests()] == \
+        [("/v2/models/cube3d_stream/versions/2/generate", "cube3d-v05")]
+    # A client's own model header is not what the server sees.
+    assert call(g, INFER, key=KEYS["team-c"], headers={"x-cube3d-model": "cube3d-v05"})[0] == 200
+    assert v01.requests()[-1]["headers"]["x-cube3d-model"] == "cube3d"
+
+    # Entitlements: team-c is not entitled to cube3d-v05, on any of its paths.
+    for path in (v05_path, "/v2/models/cube3d-v05_stream/generate_stream", "/v2/models/cube3d-v05/config"):
+        status, _, body = call(g, path, key=KEYS["team-c"])
+        assert status == 403 and b"not entitled to model cube3d-v05" in body, (path, status, body)
+    assert len(v05.requests()) == 1  # none of them reached a server
+
+    # Costs: team-a's 2048 = one v0.5 object (1024) and two v0.1 (512 each), from one bucket.
+    assert [call(g, p, key=KEYS["team-a"])[0] for p in (v05_path, INFER, INFER, INFER)] == [200, 200, 200, 429]
+    # Per-model quota: team-b's second v0.5 object (1024 + 1024 > its 1024 there) is refused,
+    # its v0.1 objects are not; its first stream call above already took 1024.
+    assert call(g, v05_path, key=KEYS["team-b"])[0] == 429
+    assert [call(g, INFER, key=KEYS["team-b"])[0] for _ in range(2)] == [200, 200]
+    # Metadata and health cost nothing.
+    assert all(call(g, "/v2/models/cube3d-v05/config", key=KEYS["team-a"])[0] == 200 for _ in range(3))
+    # A model named by a tenant's entitlements must exist.
+    with pytest.raises(gateway_config.GatewayConfigError, match="models.cube3d-v9: no such model"):
+        gateway_config.parse({"backends": ["127.0.0.1:1"], "tenants": [{**tenant("team-a"), "models": ["cube3d-v9"]}]})
+    with pytest.raises(gateway_config.GatewayConfigError, match="less than one object \\(1024 shape tokens\\) of model m5"):
+        gateway_config.parse({"models": [{"name": "m5", "config": "v0.5", "backends": ["127.0.0.1:1"]}],
+                              "tenants": [{**tenant("team-a"), "models": {"m5": {"shape_tokens": 512, "per": "1h"}}}]})
+
+
+# -- heavier: make gateway-e2e-test -----------------------------------------------------------------
+
+@pytest.mark.gateway_e2e
+def test_a_flapping_region_loses_no_request(fleet):
+    """The near region's server killed (SIGKILL, requests in flight cut) and started again every
+    2 s for 16 s, under 4 clients: every request is answered 200 (cut ones and refused ones are
+    retried in the far region)."""
+    near_server, far_server = fleet.stub("near", delay=0.1), fleet.stub("far", delay=0.1)
+    near, far = fleet.region("near", near_server, NEAR_MS), fleet.region("far", far_server, FAR_MS)
+    g = fleet.gateway({"regions": two_regions(near, far), "tenants": [tenant("team-a")]})
+    flaps, stop = [], threading.Event()
+
+    def flap():
+        while not stop.wait(2.0):
+            near_server.kill()
+            flaps.append(time.monotonic())
+            if stop.wait(2.0):
+                break
+            near_server.start()
+
+    flapper = threading.Thread(target=flap)
+    flapper.start()
+    try:
+        statuses = load(g, clients=4, seconds=16)
+    finally:
+        stop.set()
+        flapper.join(30)
+    shares = Counter(statuses)
+    assert len(flaps) >= 3
+    assert set(s for s, _ in statuses) == {200}, shares
+    assert shares[(200, "near")] > 0 and shares[(200, "far")] > 0, shares
