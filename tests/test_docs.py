@@ -48,6 +48,7 @@ QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
 # Keys are the command's words up to its options (`cubeserve rollout canary`, `make pipeline`).
 RUN_BY = {
     ("make", "test"): ("Makefile", "test: install"),  # what CI runs (.ci/run)
+    ("make", "demo"): ("tests/test_docs.py", "test_make_demo_makes_a_mesh_and_its_preview"),
     ("make", "docs"): ("tests/test_docs.py", "mkdocs"),
     ("make", "k8s"): ("tests/test_k8s.py", "kustomize"),
     ("make", "pipeline"): ("tests/test_pipeline.py", "LocalCluster"),
@@ -75,7 +76,6 @@ RUN_BY = {
 }
 # A docs command no test runs here, and what it needs; it is still checked (module docstring).
 NEEDS = {
-    ("make", "demo"): "minutes of a fresh install; its server and client run in tests/test_clients.py",
     ("make", "demo-model"): "19 minutes of training; tests/test_demo_model.py trains at a tiny size",
     ("make", "bench"): "a quiet machine for minutes (benchmarks, not tests)",
     ("make", "image"): "a container registry; tests/test_image.py builds the Dockerfile with podman",
@@ -178,6 +178,22 @@ def test_every_docs_command_is_run_by_a_test_or_marked_with_what_it_needs():
         if evidence.startswith("test_"):  # a test function by its name
             evidence = f"def {evidence}("
         assert evidence in (ROOT / path).read_text(), f"{' '.join(k)}: {path} does not contain {evidence!r}"
+
+
+def test_make_demo_makes_a_mesh_and_its_preview(tmp_path):
+    """The README's first command: `make demo`'s recipe as the Makefile writes it (the local
+    server, the client, a mesh and a PNG, the timings), run with its output in tmp_path."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"^demo: .*\n\t(.+)$", makefile, re.M).group(1)
+    prompt = re.search(r"^PROMPT \?= (.+)$", makefile, re.M).group(1)
+    words = shlex.split(recipe.replace("$(VENV)", str(Path(sys.executable).parent.parent))
+                        .replace("$(PROMPT)", prompt))
+    out = tmp_path / "demo.glb"
+    words[words.index("--out") + 1] = str(out)
+    result = subprocess.run(words, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"prompt: {prompt!r}" in result.stdout and "time per output token" in result.stdout
+    assert out.read_bytes()[:4] == b"glTF" and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("where,words", [c for c in COMMANDS if Path(c[1][0]).name in ("cubeserve", "cube3d-client")],
