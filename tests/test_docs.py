@@ -63,6 +63,7 @@ RUN_BY = {
     ("jq",): ("tests/test_clients.py", "test_plain_json_request_gets_valid_json_with_the_mesh_in_base64"),
     ("cubeserve", "batch"): ("tests/test_batch.py", 'cli.main(["batch"'),
     ("cubeserve", "train"): ("tests/test_demo_model.py", '"train", "all"'),
+    ("cubeserve", "gateway"): ("tests/test_gateway.py", '"gateway", "--config"'),
     ("cubeserve", "usage"): ("tests/test_gateway.py", '"usage", "--prometheus"'),
     ("cubeserve", "rollout", "status"): ("tests/test_rollout.py", '"status"'),
     ("cubeserve", "rollout", "canary"): ("tests/test_cluster.py", '"canary", "--version"'),
