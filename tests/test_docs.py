@@ -171,7 +171,8 @@ COMMANDS = list(shell_commands())
 
 def test_every_docs_command_is_run_by_a_test_or_marked_with_what_it_needs():
     unknown = [f"{where}: {' '.join(words)}" for where, words in COMMANDS if entry(key(words)) is None]
-    assert not unknown, "commands neither in RUN_BY nor in NEEDS:\n" + "\n".join(unknown)
+    assert not unknown, "commands neither in RUN_BY (the test that runs it) nor in NEEDS (what it needs that " \
+        "a test machine lacks) of tests/test_docs.py:\n" + "\n".join(unknown)
     used = {entry(key(words)) for _, words in COMMANDS}
     assert not set(RUN_BY) - used and not set(NEEDS) - used, "entries no docs command uses: " \
         f"{sorted((set(RUN_BY) | set(NEEDS)) - used)}"
@@ -337,7 +338,8 @@ def test_every_alert_links_its_runbook_entry_and_every_entry_is_an_alerts():
         annotations = rule["annotations"]
         # One place for the runbook: the page (the annotation `runbook` held text before).
         assert "runbook" not in annotations, name
-        assert annotations.get("runbook_url") == f"{SITE_URL}{RUNBOOKS}#{name.lower()}", name
+        assert annotations.get("runbook_url") == f"{SITE_URL}{RUNBOOKS}#{name.lower()}", \
+            f"{name}: runbook_url: {SITE_URL}{RUNBOOKS}#{name.lower()}"
 
 
 def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_reference(tmp_path):
