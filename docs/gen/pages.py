@@ -34,7 +34,7 @@ def metrics_page() -> str:
            "Every metric family the server registers on its metrics port (8002), read from the code "
            "that registers it. What to alert on and how to read them: [Operations](../operations/index.md).\n\n",
            reference.metrics_intro().replace("\n", " ") + "\n\n",
-           "| name | type | labels beyond `model`, `version` | help (as registered) | registered in |\n",
+           "| name | type | labels beyond `model`, `version` (from the code that sets them) | help (as registered) | registered in |\n",
            "|---|---|---|---|---|\n"]
     for m in reference.metrics():
         out.append(f"| `{m.name}` | {m.kind} | {m.labels} | {m.help} | `{m.source}` |\n")

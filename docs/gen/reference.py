@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import ast
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +55,6 @@ class Metric:
     kind: str  # counter, gauge, histogram
     help: str  # the description the server registers (Prometheus' HELP line)
     labels: str  # labels beyond model and version
-    meaning: str  # from cubeserve/serving/metrics.py's table ("" for the engine's batch series)
     source: str  # the file that registers it
 
 
@@ -67,16 +65,30 @@ def _families_literal(path: Path, name: str) -> ast.expr:
     raise LookupError(f"{path}: no {name} =")
 
 
-def _documented() -> dict[str, tuple[str, str]]:
-    """metrics.py's table: name -> (labels in braces, meaning)."""
-    from cubeserve.serving import metrics
-
-    rows = {}
-    for line in metrics.__doc__.splitlines():
-        m = re.match(r"\s+(cube3d_\w+)(?:\{([^}]*)\})?\s+(.*)", line)
-        if m:
-            rows[m.group(1)] = (m.group(2) or "", m.group(3).strip())
-    return rows
+def _measurement_labels(tree: ast.AST) -> dict[str, set[str]]:
+    """The label names each family gets in triton_metrics.Measurements: for every
+    `self.count(names.X, {...})` or `self.observe(names.X, {...})`, the dict's keys, with a
+    method's local `labels = {...}` opened where it is spread (`**labels`)."""
+    out: dict[str, set[str]] = {}
+    for method in ast.walk(tree):
+        if not isinstance(method, ast.FunctionDef):
+            continue
+        local: set[str] = set()
+        for node in ast.walk(method):
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+                    and any(getattr(t, "id", None) == "labels" for t in node.targets)):
+                local = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+        for node in ast.walk(method):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("count", "observe")
+                    and len(node.args) >= 2 and isinstance(node.args[0], ast.Attribute)):
+                keys = out.setdefault(node.args[0].attr, set())
+                arg = node.args[1]
+                if isinstance(arg, ast.Name) and arg.id == "labels":
+                    keys |= local
+                elif isinstance(arg, ast.Dict):
+                    for k in arg.keys:
+                        keys |= local if k is None else {k.value}
+    return out
 
 
 def metrics() -> list[Metric]:
@@ -86,14 +98,15 @@ def metrics() -> list[Metric]:
     from serving/metrics.py), the engine's (name, description, kind) tuples are taken as written."""
     from cubeserve.serving import metrics as names
 
-    documented = _documented()
     out = []
     src = ROOT / "cubeserve/serving/triton_metrics.py"
     families = eval(compile(ast.Expression(_families_literal(src, "_FAMILIES")), str(src), "eval"),
                     {"names": names})
+    labels_of = _measurement_labels(ast.parse(src.read_text()))  # constant name in metrics.py -> labels
+    constant = {getattr(names, c): c for c in dir(names) if c.isupper() and isinstance(getattr(names, c), str)}
     for name, (description, kind, _buckets) in families.items():
-        labels, meaning = documented.get(name, ("", ""))
-        out.append(Metric(name, kind.lower(), description, labels, meaning, src.relative_to(ROOT).as_posix()))
+        labels = ", ".join(sorted(labels_of.get(constant.get(name, ""), set()) - {"model", "version"}))
+        out.append(Metric(name, kind.lower(), description, labels, src.relative_to(ROOT).as_posix()))
     src = ROOT / "cubeserve/serving/triton_engine.py"
     tree = ast.parse(src.read_text())
     reasons = ""
@@ -105,7 +118,7 @@ def metrics() -> list[Metric]:
                 and str(node.elts[0].value).startswith("cube3d_") and isinstance(node.elts[2], ast.Name)):
             name = node.elts[0].value
             labels = f"reason ({reasons})" if name == "cube3d_requests_dropped_total" else ""
-            out.append(Metric(name, node.elts[2].id, node.elts[1].value, labels, "", src.relative_to(ROOT).as_posix()))
+            out.append(Metric(name, node.elts[2].id, node.elts[1].value, labels, src.relative_to(ROOT).as_posix()))
     # The drain's gauge (serving/triton_common.py): one family, its name a constant of drain.py.
     from cubeserve.serving import drain
 
@@ -115,7 +128,7 @@ def metrics() -> list[Metric]:
             kw = {k.arg: k.value for k in node.keywords}
             name = getattr(drain, kw["name"].id)
             kind = kw["kind"].attr.lower()
-            out.append(Metric(name, kind, ast.literal_eval(kw["description"]), "instance", "",
+            out.append(Metric(name, kind, ast.literal_eval(kw["description"]), "instance",
                               src.relative_to(ROOT).as_posix()))
     # A family registered anywhere else would be missing from the reference: say where to add it.
     read = {m.source for m in out}
