@@ -151,17 +151,19 @@ def plots(write) -> str:
     width = 0.8 / max(1, len(modes))
     for i, mode in enumerate(modes):
         xs = [j + i * width for j, g in enumerate(groups.values()) if mode in g]
-        axes[0].bar(xs, [g[mode]["agreement"] for g in groups.values() if mode in g], width, label=mode)
+        color = f"C{i % 10}"  # one colour per mode in both panels
+        axes[0].bar(xs, [g[mode]["agreement"] for g in groups.values() if mode in g], width, label=mode, color=color)
         # the oracle's own mode has KL 0, which a log axis cannot show: left out there
         kl = [(x, g[mode]["kl"]) for x, g in zip(xs, [g for g in groups.values() if mode in g]) if g[mode]["kl"]]
         if kl:
-            axes[1].bar(*zip(*kl), width)
+            axes[1].bar(*zip(*kl), width, color=color)
     for ax in axes:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], list(groups), fontsize=6,
                       rotation=30, ha="right")
     axes[0].set(ylabel="top-1 agreement (teacher forced)", ylim=(0, 1.02), title="Agreement with float32")
     axes[1].set(ylabel="KL from float32", yscale="log", title="KL divergence")
-    axes[0].legend(fontsize=6)
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="upper center", ncol=4,
+               bbox_to_anchor=(0.5, -0.2))
     write("numerics.svg", _svg(fig))
     plt.close(fig)
     page.append("## Numerics per mode\n\nEach mode against the float32 oracle on the same weights and "
