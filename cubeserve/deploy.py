@@ -170,3 +170,58 @@ def drain_command(http_port: int = TRITON_HTTP_PORT, metrics_port: int = METRICS
 
 
 PRESTOP_COMMAND = drain_command()
+
+
+# -- autoscaling on concurrency (docs/deploy/autoscaling.md) -------------------------------------
+# The engine's shipped limits (triton_models/cube3d_stream/config.pbtxt: max_objects, and
+# max_queue empty = 8 x max_objects): a replica holds at most MAX_OBJECTS + MAX_QUEUE requests and
+# refuses the next as busy, so that is Knative's hard limit (containerConcurrency): what exceeds
+# it waits in the queue-proxy or the activator instead of being refused.
+MAX_OBJECTS = 8
+MAX_QUEUE = 8 * MAX_OBJECTS
+CONTAINER_CONCURRENCY = MAX_OBJECTS + MAX_QUEUE
+# Requests in progress per replica that the autoscalers aim at: the knee of bench/capacity.py (the
+# most concurrent requests whose p99 stays within the SLO). On a GPU the decode batch is nearly
+# free up to its slots, so the target is MAX_OBJECTS there: an estimate until bench/gpu_check.sh's
+# capacity run measures it (BENCHMARKS.md, "Capacity of one replica"). The CPU overlay's target is
+# the knee measured on a 2-core CPU with the demo model.
+SCALE_TARGET = MAX_OBJECTS
+SCALE_TARGET_CPU = 2
+# Knative aims at target x utilization (70% by default, which would make 8 mean 5.6): 100 makes
+# scaleTarget the target itself.
+TARGET_UTILIZATION_PERCENT = 100
+MAX_REPLICAS = 4
+# A replica takes minutes to become ready (weights, CUDA graphs), so it is kept through a lull:
+# Knative's scale-down-delay, KEDA's (HPA's) scale-down stabilization window.
+SCALE_DOWN_DELAY_S = 900
+# Where KEDA reads the metric: the Prometheus that scrapes k8s/monitoring's PodMonitor. A
+# placeholder, like the model bucket: kube-prometheus-stack's default in-cluster address.
+PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+# The requests a replica holds (waiting, decoding, in geometry), counted once: by the engine model,
+# which every request reaches (the predict model forwards to it). Knative's `concurrency` metric
+# counts the same thing at the queue-proxy.
+CONCURRENCY_METRIC = "cube3d_requests_in_progress"
+
+
+def concurrency_query(isvc: str = "cube3d") -> str:
+    """The PromQL that KEDA evaluates for a raw InferenceService: requests in progress summed over
+    the stable predictor's pods (Deployment `<isvc>-predictor`; its pods are named after it). KEDA
+    (HPA, metric type AverageValue) then wants ceil(value / SCALE_TARGET) replicas."""
+    return (f'sum({CONCURRENCY_METRIC}{{model="{STREAM_MODEL}",pod=~"{isvc}-predictor-[a-z0-9]+-[a-z0-9]+"}})')
+
+
+def desired_replicas(value: float, target: float, current: int, minimum: int, maximum: int,
+                     tolerance: float = 0.1) -> int:
+    """What the HPA behind a KEDA ScaledObject asks for, for an External metric of type
+    AverageValue (KServe writes no metricType, KEDA's default): ceil(value / target), unchanged
+    while value / (target x current) is within the tolerance of 1 (kube-controller-manager's
+    --horizontal-pod-autoscaler-tolerance, 0.1), then clamped to [minimum, maximum] (KEDA gives
+    the HPA minReplicaCount, at least 1, and maxReplicaCount). Stabilization windows come on top."""
+    import math
+
+    current = max(current, 1)
+    if abs(value / (target * current) - 1.0) <= tolerance:
+        wanted = current
+    else:
+        wanted = math.ceil(value / target)
+    return min(max(wanted, minimum, 1), maximum)

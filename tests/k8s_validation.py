@@ -62,7 +62,7 @@ def _load_kserve_models():
 kserve_models = _load_kserve_models()
 
 REPO = Path(__file__).resolve().parents[1]
-OVERLAYS = ("canary", "raw", "ab", "cpu", "experiment")
+OVERLAYS = ("canary", "raw", "raw-canary", "ab", "cpu", "experiment")
 # KServe's CRDs, in the repository: tests/data/kserve/REF.json.gz, made by extract.py there from
 # kserve/kserve's release tags (config/crd/full/, descriptions removed), and newest.json.gz, the
 # newest published schema (a commit after v0.20.0). A clone with nothing beside it checks them all.
@@ -71,12 +71,13 @@ KSERVE_CRD_FILES = ("serving.kserve.io_inferenceservices.yaml", "serving.kserve.
                     "serving.kserve.io_servingruntimes.yaml")
 
 # The KServe releases the manifests support (docs/deploy/compatibility.md), and the oldest one each
-# overlay needs: everything the overlays use is in v0.14.0. (The A/B overlay's InferenceGraph
-# needed v0.16.0 for routerTimeouts; its HTTPRoute is Gateway API's, GATEWAY_API_RELEASES below.)
-# spec.canary[] (RawDeployment canaries, which `cubeserve rollout` adds) needs v0.20.0; no overlay
-# carries it.
+# overlay needs. The Serverless overlay's fields are all in v0.14.0; the raw overlays autoscale
+# through KEDA with a scale-down window (spec.predictor.autoScaling.behavior), which needs v0.16.0
+# (v0.15 has autoScaling without behavior, v0.14 no autoScaling). (The A/B overlay's HTTPRoute is
+# Gateway API's, GATEWAY_API_RELEASES below.) spec.canary[] (RawDeployment canaries, which
+# `cubeserve rollout` adds) needs v0.20.0; no overlay carries it.
 SUPPORTED_KSERVE = ("v0.14.0", "v0.20.0")  # oldest, newest
-MIN_KSERVE = {"canary": "v0.14.0", "raw": "v0.14.0", "cpu": "v0.14.0", "ab": "v0.14.0", "experiment": "v0.14.0"}
+MIN_KSERVE = {"canary": "v0.14.0", "raw": "v0.16.0", "raw-canary": "v0.14.0", "cpu": "v0.16.0", "ab": "v0.16.0", "experiment": "v0.16.0"}
 
 
 def kserve_version(release: str) -> tuple[int, ...]:

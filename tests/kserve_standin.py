@@ -129,6 +129,140 @@ def disallowed_annotations(release: str) -> tuple[str, ...]:
     return names + (("modelFormat",) if _release(release) >= (0, 17, 0) else ())
 
 
+# -- autoscaling, per release -------------------------------------------------------------------
+# What KServe's controller turns a predictor's scaling fields into: the Knative revision's
+# autoscaling annotations (Serverless) and the KEDA ScaledObject (raw mode, autoscaler class keda).
+# tests/test_cluster.py checks the ScaledObject against what the real v0.20.0 manager writes.
+AUTOSCALER_CLASS = "serving.kserve.io/autoscalerClass"
+
+
+def knative_autoscaling(release: str, isvc: dict) -> tuple[dict, int | None]:
+    """(the autoscaling.knative.dev annotations of the revision template, its containerConcurrency)
+    for a Serverless predictor. The InferenceService's own annotations pass, but the disallowed ones
+    (components/predictor.go buildPredictorResources 99-103); then SetAutoScalingAnnotations
+    (pkg/controller/v1alpha1/utils/utils.go 48-81 at v0.20.0, the same at v0.15.2 48-82): class
+    `kpa.autoscaling.knative.dev` unless set, `target` = scaleTarget, `metric` = scaleMetric,
+    `min-scale` = minReplicas (1 when unset), `max-scale` = maxReplicas unless 0 (unlimited);
+    containerConcurrency goes to the revision spec (reconcilers/knative/ksvc_reconciler.go 213).
+    The same code at every release modelled (v0.14.0-v0.20.0)."""
+    predictor = isvc["spec"]["predictor"]
+    dropped = disallowed_annotations(release)
+    annotations = {k: v for k, v in (isvc["metadata"].get("annotations") or {}).items()
+                   if k.startswith("autoscaling.knative.dev/") and k not in dropped}
+    annotations.setdefault("autoscaling.knative.dev/class", "kpa.autoscaling.knative.dev")
+    if predictor.get("scaleTarget") is not None:
+        annotations["autoscaling.knative.dev/target"] = str(int(predictor["scaleTarget"]))
+    if predictor.get("scaleMetric") is not None:
+        annotations["autoscaling.knative.dev/metric"] = predictor["scaleMetric"]
+    annotations["autoscaling.knative.dev/min-scale"] = str(predictor.get("minReplicas", 1))
+    if predictor.get("maxReplicas"):
+        annotations["autoscaling.knative.dev/max-scale"] = str(predictor["maxReplicas"])
+    return annotations, predictor.get("containerConcurrency")
+
+
+def knative_target(annotations: dict, container_concurrency: int | None) -> float:
+    """The concurrency per pod Knative's autoscaler aims at: min(target, containerConcurrency)
+    (a target above the hard limit is the limit) times the utilization (default 70%)
+    (knative/serving v0.48.1 pkg/reconciler/autoscaling/resources/target.go 31-63)."""
+    target = float(annotations.get("autoscaling.knative.dev/target", 100))
+    if container_concurrency:
+        target = min(target, container_concurrency)
+    utilization = float(annotations.get("autoscaling.knative.dev/target-utilization-percentage", 70)) / 100
+    return target * utilization
+
+
+# The windows KServe falls back to where the predictor's behavior sets none: the `autoscaler` entry
+# of its shipped inferenceservice-config ConfigMap (config/configmap/inferenceservice.yaml,
+# v0.16.0-v0.20.0: scale up "0", scale down "300"; keda_reconciler.go 212-226).
+CONFIGMAP_WINDOWS = {"scaleUp": 0, "scaleDown": 300}
+
+
+def _quantity_string(value: Any) -> str:
+    return value if isinstance(value, str) else str(value)
+
+
+def scaled_objects(release: str, isvc: dict) -> dict[str, dict]:
+    """{name: ScaledObject} KServe writes for a raw InferenceService whose autoscaler class is
+    `keda` (reconcilers/autoscaler/autoscaler_reconciler.go createAutoscaler 86-100; the class is
+    the annotation of the component's metadata: the InferenceService's, overridden by the
+    predictor's own annotations, components/predictor.go buildObjectMeta 498-519).
+
+    keda_reconciler.go (v0.20.0 lines; v0.16.0 and v0.19.0 the same code): one trigger per
+    External metric, type = backend, metadata serverAddress / query / threshold = the target value
+    as written (getOriginalStringMQ; v0.15.x: fmt "%f" of it, 118), `namespace` only if set
+    (getKedaMetrics 81-186); no metricType (KEDA's default AverageValue) and no
+    activationThreshold; minReplicaCount = minReplicas (1 when unset), maxReplicaCount raised to
+    it (createKedaScaledObject 187-283); the behavior's stabilization windows, each falling back to
+    KServe's ConfigMap (CONFIGMAP_WINDOWS), as advanced.horizontalPodAutoscalerConfig.behavior
+    (from v0.16.0; v0.15.x writes none). v0.14.x has no keda class (an error).
+
+    Canaries (v0.20.0, spec.canary[]): each gets the stable predictor merged with its own, its
+    autoscaling fields zeroed and minReplicas = its replica count (predictor.go buildCanaryPredictor
+    897-910, canaryReplicaCount 886-895: its own minReplicas, else ceil(stable minReplicas x
+    trafficPercent / 100)), and the same autoscaler class: with keda, a ScaledObject with no
+    triggers. The stable minReplicas drops by the canaries' replicas, to at least 1 (780-803)."""
+    import math
+
+    if _release(release) < (0, 15, 0):
+        raise ValueError(f"KServe {release} has no autoscaler class keda")
+    meta, spec = isvc["metadata"], isvc["spec"]
+    stable = spec["predictor"]
+    canaries = spec.get("canary") or []
+
+    def replicas(canary: dict) -> int:
+        own = canary["predictor"].get("minReplicas")
+        return own if own is not None else math.ceil(stable.get("minReplicas", 1) * canary["trafficPercent"] / 100)
+
+    def one(predictor: dict, name: str) -> dict | None:
+        annotations = {**(meta.get("annotations") or {}), **(predictor.get("annotations") or {})}
+        if annotations.get(AUTOSCALER_CLASS) != "keda":
+            return None
+        triggers = []
+        for metric in (predictor.get("autoScaling") or {}).get("metrics") or []:
+            if metric["type"] != "External":
+                continue
+            source = metric["external"]["metric"]
+            value = metric["external"]["target"].get("value", "0")
+            threshold = (f"{float(value):f}" if _release(release) < (0, 16, 0) else _quantity_string(value))
+            trigger = {"type": source.get("backend", ""),
+                       "metadata": {"serverAddress": source.get("serverAddress", ""), "query": source.get("query", ""),
+                                    "threshold": threshold}}
+            if source.get("backend") == "prometheus" and source.get("namespace"):
+                trigger["metadata"]["namespace"] = source["namespace"]
+            triggers.append(trigger)
+        minimum = predictor.get("minReplicas", 1)
+        obj = {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+               "metadata": {"name": name, "namespace": meta.get("namespace", "default")},
+               "spec": {"scaleTargetRef": {"name": name}, "triggers": triggers, "minReplicaCount": minimum,
+                        "maxReplicaCount": max(predictor.get("maxReplicas", 0), minimum)}}
+        if _release(release) >= (0, 16, 0):
+            behavior = (predictor.get("autoScaling") or {}).get("behavior") or {}
+            windows = {d: {"stabilizationWindowSeconds": (behavior.get(d) or {}).get("stabilizationWindowSeconds",
+                                                                                      CONFIGMAP_WINDOWS[d])}
+                       for d in ("scaleDown", "scaleUp")}
+            # AdvancedConfig.ScalingModifiers has no omitempty: it is written as {}.
+            obj["spec"]["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": windows}, "scalingModifiers": {}}
+        return obj
+
+    out = {}
+    stable_predictor = copy.deepcopy(stable)
+    if canaries and "minReplicas" in stable:
+        stable_predictor["minReplicas"] = max(stable["minReplicas"] - sum(replicas(c) for c in canaries), 1)
+    name = predictor_service_name(meta["name"], stable.get("name"))
+    if (obj := one(stable_predictor, name)) is not None:
+        out[name] = obj
+    for canary in canaries:
+        merged = {**copy.deepcopy(stable), **copy.deepcopy(canary["predictor"])}
+        merged["annotations"] = {**(stable.get("annotations") or {}), **(canary["predictor"].get("annotations") or {})}
+        for field in ("maxReplicas", "scaleTarget", "scaleMetric", "autoScaling"):
+            merged.pop(field, None)
+        merged["minReplicas"] = replicas(canary)
+        name = predictor_service_name(meta["name"], canary["predictor"]["name"])
+        if (obj := one(merged, name)) is not None:
+            out[name] = obj
+    return out
+
+
 def _condition(kind: str, status: str, reason: str = "", message: str = "") -> dict:
     return {"type": kind, "status": status, **({"reason": reason} if reason else {}),
             **({"message": message} if message else {})}

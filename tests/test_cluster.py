@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 import cluster_stack as cs
+import kserve_standin
 from guards import cannot_run
 
 pytestmark = pytest.mark.cluster
@@ -46,7 +47,10 @@ RELEASES = cs.build.kserve_releases()  # newest first
 NEWEST = RELEASES[0]
 # The overlays KServe reconciles without Knative (RawDeployment / Standard mode), and their
 # InferenceServices. `canary` is Serverless: applied and refused by KServe's reconciler only.
-RAW_OVERLAYS = {"raw": ("cube3d",), "cpu": ("cube3d",), "experiment": ("cube3d",), "ab": ("cube3d-a", "cube3d-b")}
+RAW_OVERLAYS = {"raw": ("cube3d",), "raw-canary": ("cube3d",), "cpu": ("cube3d",), "experiment": ("cube3d",),
+                "ab": ("cube3d-a", "cube3d-b")}
+# The raw overlays that autoscale through KEDA (components/autoscaling-keda): KServe v0.16.0 and later.
+KEDA_OVERLAYS = ("raw", "cpu", "experiment", "ab")
 
 
 @pytest.fixture(scope="module", params=RELEASES)
@@ -218,6 +222,8 @@ def test_every_raw_overlay_is_accepted_and_reconciled_to_ready_pods(stack, ns):
     where there is a storageUri, one GPU each but on cpu) are Running and Ready on the fake GPU
     nodes, the mode is the one KServe records; applying again changes nothing."""
     for overlay, services in RAW_OVERLAYS.items():
+        if overlay in KEDA_OVERLAYS and cs.kserve_version(stack.release) < (0, 16, 0):
+            continue  # refused: test_the_keda_overlays_need_kserve_0_16
         space = f"{ns}-{overlay}"
         stack.kubectl("create", "namespace", space)
         for secret in ("cube-serve-admin", "cube-serve-s3"):
@@ -228,6 +234,12 @@ def test_every_raw_overlay_is_accepted_and_reconciled_to_ready_pods(stack, ns):
         assert "inferenceservice.serving.kserve.io/cube3d" in applied and "serverside-applied" in applied
         for name in services:
             obj = wait_ready(stack, space, name)
+            if overlay in KEDA_OVERLAYS:  # KServe's ScaledObject, as the stand-in models it
+                expected = kserve_standin.scaled_objects(stack.release, obj)[f"{name}-predictor"]
+                scaled = wait_for("KServe's ScaledObject", lambda: stack.get("scaledobject", f"{name}-predictor", space,
+                                                                            check=False), stack=stack)
+                assert {k: scaled["spec"].get(k) for k in expected["spec"]} == expected["spec"], overlay
+                assert stack.get("horizontalpodautoscaler", None, space)["items"] == []  # KEDA makes it
             assert obj["status"]["deploymentMode"] == cs.raw_mode_name(stack.release)
             assert predictor_ready_as_the_stand_in_derives_it(stack, space, name)["status"] == "True"
             deployment = stack.get("deployment", f"{name}-predictor", space)
@@ -292,7 +304,7 @@ def test_the_other_manifests_are_accepted_with_their_cel_rules(stack, ns):
 
 # -- cubeserve rollout, RawDeployment (Standard) -----------------------------------------------------
 
-def deploy_raw(stack, ns: str, overlay: str = "raw") -> dict:
+def deploy_raw(stack, ns: str, overlay: str = "raw-canary") -> dict:
     apply_k(stack, f"overlays/{overlay}", ns)
     return wait_ready(stack, ns)
 
@@ -393,7 +405,7 @@ def test_a_new_service_without_its_storage_secret(stack, ns):
     the Deployment's next try makes the pod."""
     secret = stack.get("secret", "cube-serve-s3", ns)
     stack.kubectl("delete", "secret", "cube-serve-s3", "-n", ns)
-    apply_k(stack, "overlays/raw", ns)
+    apply_k(stack, "overlays/raw-canary", ns)
     # From v0.16.0 KServe reports the ReplicaSet's failure (the Deployment's ReplicaFailure), before
     # it the Deployment's Available False.
     reason = "FailedCreate" if cs.kserve_version(stack.release) >= (0, 16, 0) else "MinimumReplicasUnavailable"
@@ -447,12 +459,12 @@ def test_the_overlay_applied_again_after_a_promote(stack, ns):
     ready_pod(stack, ns, "cube3d-v2-predictor")
     assert rollout(stack, ns, "promote", "--wait", "60")[0] == 0
     generation = isvc(stack, ns)["metadata"]["generation"]
-    result = apply_k(stack, "overlays/raw", ns, check=False)
+    result = apply_k(stack, "overlays/raw-canary", ns, check=False)
     assert result.returncode and 'conflict with "cubeserve-rollout"' in result.stderr, result.stderr
     assert ".spec.predictor.model.storageUri" in result.stderr
     obj = isvc(stack, ns)
     assert obj["spec"]["predictor"]["model"]["storageUri"] == f"{BASE}/2/" and obj["metadata"]["generation"] == generation
-    stack.kubectl("apply", "-k", str(REPO / "k8s" / "overlays" / "raw"), "-n", ns)  # client-side
+    stack.kubectl("apply", "-k", str(REPO / "k8s" / "overlays" / "raw-canary"), "-n", ns)  # client-side
     code, out = rollout(stack, ns, "status")
     assert code == 4 and "the stable predictor v2 has the storageUri of version 1, written by " \
         "kubectl-client-side-apply" in out, out
@@ -473,6 +485,45 @@ def test_kserve_v0_15_refuses_a_raw_canary_before_and_at_the_api_server(stack, n
     code, out = rollout(stack, ns, "canary", "--version", "2", "--percent", "0", "--skip-preflight")
     assert code == 1 and "422" in out and 'unknown field "spec.canary"' in out, out
     assert "canary" not in isvc(stack, ns)["spec"]
+
+
+# -- autoscaling (docs/deploy/autoscaling.md) ---------------------------------------------------
+
+def test_the_keda_overlays_need_kserve_0_16(stack, ns):
+    """Before v0.16.0 the CRD has no spec.predictor.autoScaling.behavior (v0.14: no autoScaling):
+    the API server's strict field validation refuses the autoscaled raw overlays, never prunes."""
+    if cs.kserve_version(stack.release) >= (0, 16, 0):
+        pytest.skip("KServe before v0.16.0 only")
+    result = apply_k(stack, "overlays/raw", ns, check=False)
+    assert result.returncode and ".spec.predictor.autoScaling.behavior: field not declared in schema" in result.stderr, \
+        result.stderr
+    assert "cube3d" not in names(stack, "inferenceservice", ns)
+
+
+def test_a_raw_canary_of_a_keda_service_is_refused_and_why(stack, ns):
+    """KServe v0.20.0 gives a spec.canary[] entry of a `keda` service a ScaledObject without
+    triggers: the API server refuses it (KEDA's CRD: triggers required) and KServe's reconcile
+    fails. `cubeserve rollout canary` refuses first, naming the way out; written by hand, the
+    canary gets no ScaledObject and KServe logs the refusal."""
+    newest_only(stack)
+    deploy_raw(stack, ns, "raw")
+    assert stack.get("scaledobject", "cube3d-predictor", ns, check=False) is not None
+    code, out = rollout(stack, ns, "canary", "--version", "2", "--percent", "0")
+    assert code == 2 and "ScaledObject without triggers" in out and "k8s/overlays/ab" in out, out
+    assert "canary" not in isvc(stack, ns)["spec"]
+    canary = {"predictor": {"name": "v2", "model": {"name": "kserve-container", "modelFormat": {"name": "triton"},
+                                                     "storageUri": f"{BASE}/2/"}}, "trafficPercent": 0}
+    stack.kubectl("patch", "inferenceservice", "cube3d", "-n", ns, "--type=merge",
+                  "-p", json.dumps({"spec": {"canary": [canary]}}))
+    expected = kserve_standin.scaled_objects(stack.release, isvc(stack, ns))["cube3d-v2-predictor"]
+    # At 0%: no replicas of its own (ceil(1 x 0%)), so maxReplicaCount 0 too, and no triggers.
+    assert expected["spec"]["triggers"] == [] and expected["spec"]["maxReplicaCount"] == 0
+    refused = 'ScaledObject.keda.sh \\"cube3d-v2-predictor\\" is invalid'
+    log = wait_for("KServe's refused ScaledObject in its log", lambda: (t if refused in (t := stack.log_tail(
+        "kserve-manager", 400)) else None), stack=stack)
+    assert "spec.triggers: Required value" in log and "spec.maxReplicaCount in body should be greater than or equal to 1" in log
+    assert "fails to reconcile canary v2" in log
+    assert stack.get("scaledobject", "cube3d-v2-predictor", ns, check=False) is None
 
 
 # -- A/B ----------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def crd_release(release: str) -> str:
     the tool writes (spec.canary, spec.predictor.name, both from v0.20.0) are the same in between."""
     return max((r for r in KSERVE_RELEASES if kserve_version(r) <= kserve_version(release)), key=kserve_version)
 # Serverless canaries on every release; RawDeployment canaries (spec.canary) from v0.20.0.
-SERVERLESS_AND_RAW_CANARIES = [("canary", release) for release in SUPPORTED_MODELLED] + [("raw", "v0.20.0")]
+SERVERLESS_AND_RAW_CANARIES = [("canary", release) for release in SUPPORTED_MODELLED] + [("raw-canary", "v0.20.0")]
 
 
 def overlay_isvc(overlay: str) -> dict:
@@ -318,7 +318,7 @@ def test_raw_storage_uri_edited_before_the_first_promote_is_drift(release, monke
     Deployment to another version without a canary. KServe's raw status names no URI, so the
     tool reads the Deployment's ReplicaSets: the old pod serves version 1 until the new one is
     available, and that is reported as drift, as the same edit is in Serverless."""
-    world = World("raw", release=release)
+    world = World("raw-canary", release=release)
     assert (world.state().phase, world.state().drift) == ("stable", ())
     _edit_storage_uri(world, "2")
     assert world.kserve.serving() == [(f"{BASE}/1/", 100)]  # the old pod, until the new one is available
@@ -356,7 +356,7 @@ def test_raw_readiness_and_a_stalled_roll_as_each_release_reports_them(release):
     its deadline is PredictorReady False (ProgressDeadlineExceeded), which the tool reports."""
     from cubeserve.rollout.state import condition_of
 
-    world = World("raw", release=release)
+    world = World("raw-canary", release=release)
     assert condition_of(world.isvc, "PredictorReady")["status"] == "True" and world.state().ready
     _edit_storage_uri(world, "2")
     during = "Unknown" if kserve_version("v0.16.0") <= kserve_version(release) < kserve_version("v0.20.0") else "True"
@@ -423,7 +423,7 @@ def test_annotations_kserve_keeps_off_the_template_make_no_new_revision(release)
 # -- RawDeployment: spec.canary[] (KServe v0.20) ---------------------------------------------------------
 
 def test_raw_canary_and_promote_without_a_restart():
-    world = World("raw")
+    world = World("raw-canary")
     assert (world.state().phase, world.state().stable, world.state().ready) == ("stable", "1", True)
     plan = world.plan("canary", "2", 0)
     assert leaves(plan.patch) == {"metadata.resourceVersion", "spec.canary"}
@@ -461,7 +461,7 @@ def test_raw_canary_and_promote_without_a_restart():
 
 
 def test_raw_share_and_rollback():
-    world = World("raw")
+    world = World("raw-canary")
     world.do("canary", "2", 10)
     plan = world.do("canary", "2", 40)
     assert plan.changes == ("spec.canary[0].trafficPercent: 10 -> 40",)
@@ -476,7 +476,7 @@ def test_raw_status_shows_the_canary_gets_no_traffic(monkeypatch):
     """KServe v0.20.0 copies trafficPercent into canaryStatuses but routes nothing to a raw
     canary (tests/kserve_standin.py, predictor.go canaryReplicaCount): status says so instead of
     printing a 90/10 split nobody routes."""
-    world = World("raw")
+    world = World("raw-canary")
     world.do("canary", "2", 10)
     assert world.isvc["status"]["canaryStatuses"][0]["trafficPercent"] == 10  # what KServe writes
     state = world.state()
@@ -488,7 +488,7 @@ def test_raw_status_shows_the_canary_gets_no_traffic(monkeypatch):
 
 
 def test_raw_overlay_applied_client_side_after_a_promote_is_drift():
-    world = World("raw")
+    world = World("raw-canary")
     world.do("canary", "2", 0)
     world.kserve.start_pods()
     world.do("promote")
@@ -504,7 +504,7 @@ def test_raw_canary_and_promote_pass_the_v0_20_webhooks():
     validating webhook then admits a canary only in that mode (validateCanarySpecs) and a new
     predictor name only with a new storageUri (validatePredictorNameChange): the tool's canary
     and promote pass both; the stand-in refuses what KServe refuses."""
-    world = World("raw")
+    world = World("raw-canary")
     assert world.isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
     world.do("canary", "2", 10)
     world.kserve.start_pods()
@@ -521,7 +521,7 @@ def test_raw_canary_and_promote_pass_the_v0_20_webhooks():
 
 
 def test_raw_canaries_need_kserve_0_20():
-    world = World("raw")
+    world = World("raw-canary")
     canary = r.merge_patch(world.isvc, world.plan("canary", "2", 0).patch)
     promoted = r.merge_patch(world.isvc, {"spec": {"predictor": {"name": "v2"}}})
     assert "v0.20.0" in require_releases()
@@ -538,7 +538,7 @@ def test_raw_canaries_need_kserve_0_20():
 
 
 def test_preflight_checks_runtime_and_gateway_api():
-    world = World("raw")
+    world = World("raw-canary")
     schema = require_crds("v0.20.0")[("serving.kserve.io/v1beta1", "InferenceService")]
     share = world.plan("canary", "2", 10).patch
     dark = world.plan("canary", "2", 0).patch
@@ -557,7 +557,7 @@ def test_preflight_checks_runtime_and_gateway_api():
 
 
 def test_the_modes_come_from_status_then_annotation():
-    isvc = overlay_isvc("raw")
+    isvc = overlay_isvc("raw-canary")
     assert r.deployment_mode(isvc) == r.RAW
     isvc["metadata"]["annotations"][r.state.MODE_ANNOTATION] = "Standard"  # KServe's newer name
     assert r.deployment_mode(isvc) == r.RAW
@@ -574,7 +574,7 @@ def test_the_modes_come_from_status_then_annotation():
 
 # -- refusals: clear errors, nothing changed ----------------------------------------------------------
 
-@pytest.mark.parametrize("overlay", ["canary", "raw"])
+@pytest.mark.parametrize("overlay", ["canary", "raw-canary"])
 @pytest.mark.parametrize("version, percent, message", [
     ("2", -1, "0 to 100"), ("2", 101, "0 to 100"), ("2", 12.5, "0 to 100"), ("2", True, "0 to 100"),
     ("2", "10", "0 to 100"), ("9", 10, "unknown version '9'"), ("V2!", 10, "invalid version"),
@@ -595,7 +595,7 @@ def test_a_rollout_while_another_is_unfinished_is_refused(overlay, release):
     world.do("canary", "2", 0)
     with pytest.raises(r.RolloutError, match="canary of version 2 .* in progress"):
         world.plan("canary", "3", 10)
-    if overlay == "raw":
+    if overlay == "raw-canary":
         two = world.isvc
         two["spec"]["canary"].append(copy.deepcopy(two["spec"]["canary"][0]))
         with pytest.raises(r.RolloutError, match="2 canaries"):
@@ -710,7 +710,7 @@ def test_the_versions_configmap_has_one_writer_per_field():
 def test_services_outside_the_registry_are_refused():
     with pytest.raises(r.RolloutError, match="no storageUri"):
         World("cpu").plan("canary", "2", 10)
-    isvc = overlay_isvc("raw")
+    isvc = overlay_isvc("raw-canary")
     isvc["spec"]["predictor"]["model"]["storageUri"] = "gs://elsewhere/model"
     with pytest.raises(r.RolloutError, match="not a version of the registry"):
         World(isvc=isvc).plan("canary", "2", 10)
@@ -919,6 +919,8 @@ def test_cli_canary_promote_and_status(monkeypatch):
         "canary of version 2 at 20% (stable: version 1)",
         "  spec.predictor.canaryTrafficPercent: (unset) -> 20",
         f"  spec.predictor.model.storageUri: {BASE}/1/ -> {BASE}/2/",
+        "  note: the canary revision keeps at least 1 replica(s) of its own (minReplicas) beside the stable "
+        "revision's, each revision scaling on its own traffic up to 4",
         "patched",
     ]
     code, out = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "20")
@@ -964,7 +966,7 @@ def test_a_patch_that_meets_a_status_write_is_planned_again(monkeypatch, capsys)
 
 
 def test_cli_refusals_change_nothing(monkeypatch, capsys):
-    world = World("raw")
+    world = World("raw-canary")
     cluster = FakeCluster(world)
     assert run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "0")[0] == 0
     for argv, words in ((["canary", "--version", "3", "--percent", "10"], "in progress"),
@@ -982,14 +984,14 @@ def test_cli_refusals_change_nothing(monkeypatch, capsys):
     ("v0.20.0", False, "plain Ingress"),
 ])
 def test_cli_preflight_refuses_what_the_cluster_cannot_do(monkeypatch, capsys, release, gateway_api, refusal):
-    world = World("raw")
+    world = World("raw-canary")
     cluster = FakeCluster(world, release=release, gateway_api=gateway_api)
     code, _ = run(cluster, monkeypatch, "canary", "--version", "2", "--percent", "10")
     assert code == 2 and refusal in capsys.readouterr().err and cluster.patches == []
 
 
 def test_cli_waits_for_readiness_and_reports_conflicts(monkeypatch, capsys):
-    world = World("raw")
+    world = World("raw-canary")
     world.do("canary", "2", 0)
     cluster = FakeCluster(world)
     code, _ = run(cluster, monkeypatch, "promote")
@@ -998,7 +1000,7 @@ def test_cli_waits_for_readiness_and_reports_conflicts(monkeypatch, capsys):
     code, out = run(cluster, monkeypatch, "promote", "--wait", "60")
     assert code == 0 and out.startswith("waiting:") and len(cluster.patches) == 1
 
-    world = World("raw")
+    world = World("raw-canary")
     world.do("canary", "2", 0)
     cluster = FakeCluster(world)
     stale = cluster.patch
@@ -1008,7 +1010,7 @@ def test_cli_waits_for_readiness_and_reports_conflicts(monkeypatch, capsys):
 
 
 def test_cli_ab_route_weights(monkeypatch, capsys):
-    cluster = FakeCluster(World("raw"))
+    cluster = FakeCluster(World("raw-canary"))
     cluster.objects["cube3d-ab"] = route()
     code, out = run(cluster, monkeypatch, "ab", "--httproute", "cube3d-ab", "--weights", "A=60,B=40")
     assert code == 0 and "weights a=80,b=20 -> a=60,b=40" in out
@@ -1112,7 +1114,7 @@ def test_cli_ab_refuses_bad_experiments_naming_the_field(monkeypatch, capsys, ar
 
 
 def test_cli_ab_refuses_versions_a_single_version_service_does_not_load(monkeypatch, capsys):
-    cluster = FakeCluster(World("raw"))  # storageUri <base>/1/: version 1 only
+    cluster = FakeCluster(World("raw-canary"))  # storageUri <base>/1/: version 1 only
     code, _ = run(cluster, monkeypatch, "ab", "--set", "a=1:50,b=2:50", "--name", "x")
     assert code == 2 and "loads versions 1 only" in capsys.readouterr().err and cluster.applied == []
     code, _ = run(cluster, monkeypatch, "ab", "--set", "a=1:50,b=2:50", "--name", "x", "--skip-preflight")
@@ -1129,7 +1131,7 @@ def test_cubeserve_cli_has_rollout(monkeypatch):
     parser = cubeserve_cli.build_parser()
     subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert "rollout" in subcommands
-    world = World("raw")
+    world = World("raw-canary")
     world.do("canary", "2", 0)
     cluster = FakeCluster(world)
     monkeypatch.setattr(cli, "cluster_factory", cluster)
@@ -1347,7 +1349,7 @@ def test_a_raw_roll_out_over_http_reads_the_replica_sets_under_the_role(tmp_path
     in-place edit as drift; once the Deployment has rolled, a canary and its promote go through."""
     from k8s_validation import rbac_allows
 
-    world = World("raw")
+    world = World("raw-canary")
     stub = StubApiServer(world, rules=rollout_role_rules())
     try:
         _edit_storage_uri(world, "2")
@@ -1426,7 +1428,7 @@ def test_an_experiment_edited_by_hand_is_a_conflict_for_server_side_apply(tmp_pa
 
 
 def test_a_field_the_cluster_does_not_know_is_refused_never_pruned(tmp_path, monkeypatch, capsys):
-    world = World("raw")
+    world = World("raw-canary")
     stub = StubApiServer(world, release="v0.19.0")
     try:
         before = world.isvc
@@ -1489,7 +1491,7 @@ def test_cli_version_set(tmp_path, monkeypatch, capsys):
     from cubeserve.serving.repository import build_version_repository
 
     store = tmp_path / "store"
-    cluster = FakeCluster(World("raw"))
+    cluster = FakeCluster(World("raw-canary"))
     cluster.registry = lambda name: r.VersionRegistry(f"file://{store}", ("1", "2"))
     code, out = run(cluster, monkeypatch, "version-set", "--versions", "1,2", "--dry-run")
     assert code == 0 and f"to file://{store}/sets/1-2/" in out and not store.exists()
@@ -1529,7 +1531,7 @@ def test_raw_predictor_ready_unknown_while_the_stable_deployment_rolls_is_not_re
     must not read it as ready. Before v0.16.0 and on v0.20.0 the old pod's Available says True."""
     from cubeserve.rollout.state import condition_of
 
-    world = World("raw", release=release)
+    world = World("raw-canary", release=release)
     assert (world.state().phase, world.state().ready) == ("stable", True)
     starts = len(world.kserve.model_starts)
     world.store.update({"metadata": {"annotations": {"example.com/owner": "another team"}}}, "kubectl-edit")

@@ -28,7 +28,7 @@ def _print_plan(plan: Plan, notes: list[str], out, dry_run: bool) -> None:
     print(plan.summary, file=out)
     for line in plan.changes:
         print(f"  {line}", file=out)
-    for note in notes:
+    for note in (*plan.notes, *notes):
         print(f"  note: {note}", file=out)
     if plan.changed:
         print("dry run: nothing was changed" if dry_run else "patched", file=out)

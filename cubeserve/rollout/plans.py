@@ -39,18 +39,19 @@ class Plan:
     summary: str
     patch: dict | None = None
     changes: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what people should know beside the changes (e.g. what it costs)
 
     @property
     def changed(self) -> bool:
         return self.patch is not None
 
 
-def _plan(obj: Mapping, summary: str, patch: dict) -> Plan:
+def _plan(obj: Mapping, summary: str, patch: dict, notes: tuple[str, ...] = ()) -> Plan:
     patch = copy.deepcopy(patch)
     version = get(obj, "metadata", "resourceVersion")
     if version:  # optimistic concurrency: the API server refuses the patch if obj changed since
         patch.setdefault("metadata", {})["resourceVersion"] = version
-    return Plan(summary, patch, tuple(describe_changes(obj, patch)))
+    return Plan(summary, patch, tuple(describe_changes(obj, patch)), notes)
 
 
 class Serverless:
@@ -180,8 +181,43 @@ def plan_canary(isvc: Mapping, registry: VersionRegistry, version: str, percent:
                            "nothing to return to")
     if version == state.stable:
         raise RolloutError(f"{state.name}: version {version} is already the stable version")
+    _refuse_keda_raw_canary(isvc, state)
     return _plan(isvc, f"canary of version {version} at {percent}% (stable: version {state.stable})",
-                 strategy.start(isvc, version, uri, percent))
+                 strategy.start(isvc, version, uri, percent), (canary_replicas(isvc, state.mode, percent),))
+
+
+AUTOSCALER_CLASS_ANNOTATION = "serving.kserve.io/autoscalerClass"
+
+
+def _refuse_keda_raw_canary(isvc: Mapping, state: RolloutState) -> None:
+    """KServe v0.20.0 gives a spec.canary[] entry fixed replicas (its autoscaling fields zeroed:
+    components/predictor.go buildCanaryPredictor 897-910) but the service's autoscaler class: with
+    `keda`, a ScaledObject without triggers, which KEDA's CRD refuses (spec.triggers minItems 1,
+    keda v2.20.2 apis/keda/v1alpha1/scaledobject_types.go 125), and the reconcile of the whole
+    InferenceService fails there. Overriding the class on the canary alone would change its pod
+    template, so the promote that renames it would restart its pods."""
+    annotations = {**(get(isvc, "metadata", "annotations") or {}),
+                   **(get(isvc, "spec", "predictor", "annotations") or {})}
+    if state.mode == RAW and annotations.get(AUTOSCALER_CLASS_ANNOTATION) == "keda":
+        raise RolloutError(
+            f"{state.name} autoscales through KEDA ({AUTOSCALER_CLASS_ANNOTATION}: keda): KServe would give a "
+            "RawDeployment canary a ScaledObject without triggers, which KEDA's CRD refuses, and stop "
+            "reconciling the service. Roll out across two InferenceServices instead, each autoscaled on "
+            "its own pods (k8s/overlays/ab and `cubeserve rollout ab --httproute ... --weights`), or use "
+            "the Serverless mode")
+
+
+def canary_replicas(isvc: Mapping, mode: str, percent: int) -> str:
+    """What a canary costs in replicas (GPUs), as KServe sizes it."""
+    predictor = get(isvc, "spec", "predictor") or {}
+    minimum, maximum = predictor.get("minReplicas", 1), predictor.get("maxReplicas") or "unlimited"
+    if mode == RAW:
+        # components/predictor.go canaryReplicaCount 886-895 and the stable's minimum 795-803 (v0.20.0)
+        canary = -(-minimum * percent // 100)
+        return (f"the canary runs {canary} replica(s) (ceil(minReplicas {minimum} x {percent}%)), fixed; the "
+                f"stable's minimum drops to {max(minimum - canary, 1)} meanwhile")
+    return (f"the canary revision keeps at least {minimum} replica(s) of its own (minReplicas) beside the "
+            f"stable revision's, each revision scaling on its own traffic up to {maximum}")
 
 
 def _require_canary(state: RolloutState, canary: str | None, action: str) -> None:
