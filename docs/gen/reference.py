@@ -69,6 +69,15 @@ def _measurement_labels(tree: ast.AST) -> dict[str, set[str]]:
     """The label names each family gets in triton_metrics.Measurements: for every
     `self.count(names.X, {...})` or `self.observe(names.X, {...})`, the dict's keys, with a
     method's local `labels = {...}` opened where it is spread (`**labels`)."""
+    from cubeserve.serving import metrics as names
+
+    def key(node: ast.expr) -> str:  # "outcome", or names.GATEWAY_MODEL_LABEL's value
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "names":
+            return getattr(names, node.attr)
+        raise LookupError(f"a label key docs/gen/reference.py cannot read: {ast.unparse(node)}")
+
     out: dict[str, set[str]] = {}
     for method in ast.walk(tree):
         if not isinstance(method, ast.FunctionDef):
@@ -77,7 +86,7 @@ def _measurement_labels(tree: ast.AST) -> dict[str, set[str]]:
         for node in ast.walk(method):
             if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
                     and any(getattr(t, "id", None) == "labels" for t in node.targets)):
-                local = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                local = {key(k) for k in node.value.keys if k is not None}
         for node in ast.walk(method):
             if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("count", "observe")
                     and len(node.args) >= 2 and isinstance(node.args[0], ast.Attribute)):
@@ -87,7 +96,7 @@ def _measurement_labels(tree: ast.AST) -> dict[str, set[str]]:
                     keys |= local
                 elif isinstance(arg, ast.Dict):
                     for k in arg.keys:
-                        keys |= local if k is None else {k.value}
+                        keys |= local if k is None else {key(k)}
     return out
 
 
