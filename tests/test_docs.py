@@ -298,6 +298,16 @@ def test_every_block_has_a_language_and_parses():
             compile(content, where, "exec")
 
 
+def test_every_page_has_one_title_first():
+    """The page's `# Title` (the site's page title), and its sections below it."""
+    md = MarkdownIt()
+    for page in pages():
+        headings = [t.tag for t in md.parse(page.read_text()) if t.type == "heading_open"]
+        if page.name == "benchmarks.md" and not headings:  # BENCHMARKS.md included whole
+            continue
+        assert headings[:1] == ["h1"] and headings.count("h1") == 1, f"{page.relative_to(ROOT)}: {headings[:3]}"
+
+
 def test_every_flag_the_prose_names_is_defined_by_the_code():
     code = "\n".join(p.read_text() for folder in ("cubeserve", "client", "kfp_pipelines", "bench")
                      for p in (ROOT / folder).rglob("*.py"))
