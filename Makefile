@@ -21,11 +21,11 @@ install: $(VENV)/.installed
 # builds and downloads. The cluster tests are `make cluster-test`.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e" --durations=30  # the slowest 30, to keep the suite within its time
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale" --durations=30  # the slowest 30, to keep the suite within its time
 
 # The inner loop: everything but the image build (tests/test_image.py, marker `image`).
 test-quick: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # tiny random demo weights are written into the version directories on first use.
@@ -117,6 +117,13 @@ clean:
 .PHONY: gateway-e2e-test
 gateway-e2e-test: install
 	$(PY) -m pytest -q -m gateway_e2e tests/test_gateway_regions.py
+
+# Autoscaling's signal end to end (marker `scale`; not part of `make test`): two real servers and a
+# real Prometheus under a stepped load, the KEDA query and the replica count it gives, a replica
+# drained away under load (docs/deploy/autoscaling.md). About 80 s on 2 cores.
+.PHONY: scale-test
+scale-test: install
+	$(PY) -m pytest -q -m scale tests/test_autoscaling.py
 
 # A real Kubernetes control plane for the cluster tests, built from Go modules with the machine's Go
 # (docs/development.md, "Cluster tests"): kube-apiserver, -controller-manager, -scheduler, etcd, KWOK and KServe's
