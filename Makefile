@@ -114,8 +114,12 @@ clean:
 
 # The gateway's heavier end-to-end tests (marker `gateway_e2e`; not part of `make test`): a region
 # flapping under load, one request's trace through every hop (docs/gateway/regions-models-traces.md).
-.PHONY: gateway-e2e-test
-gateway-e2e-test: install
+# The trace backend they send spans to: Jaeger v2, built from Go modules like the control plane
+# below (cluster/go/jaeger-*), cached in the same folder.
+.PHONY: gateway-e2e-test trace-backend
+trace-backend:
+	nice -n 10 $(PYTHON) cluster/build.py jaeger
+gateway-e2e-test: install trace-backend
 	$(PY) -m pytest -q -m gateway_e2e tests/test_gateway_regions.py
 
 # Autoscaling's signal end to end (marker `scale`; not part of `make test`): two real servers and a

@@ -59,6 +59,7 @@ class Spec:
     commands: dict[str, str]  # binary name -> package
     ldflags: object = None  # version -> list of -X flags
     module: str = ""  # the module whose zip holds the assets / the patched file
+    on_demand: bool = False  # built only when named (not by a plain `make control-plane`)
 
 
 SPECS = {
@@ -69,6 +70,8 @@ SPECS = {
                  lambda v: [f"-X go.etcd.io/etcd/api/v3/version.GitSHA={v}"]),
     "kwok": Spec({"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, module="sigs.k8s.io/kwok"),
     "kserve": Spec({"manager": "github.com/kserve/kserve/cmd/manager"}, module="github.com/kserve/kserve"),
+    # Not the control plane: the trace backend of the gateway's end-to-end tests (make trace-backend).
+    "jaeger": Spec({"jaeger": "github.com/jaegertracing/jaeger/cmd/jaeger"}, on_demand=True),
 }
 
 
@@ -325,7 +328,7 @@ def build(comp: Component, env: dict[str, str], say=print) -> dict:
 def select(names: list[str]) -> list[Component]:
     every = components()
     if not names:
-        return every
+        return [c for c in every if not c.spec.on_demand]
     chosen = [c for c in every if c.name in names or c.key in names]
     unknown = set(names) - {c.name for c in every} - {c.key for c in every}
     if unknown:

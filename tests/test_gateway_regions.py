@@ -12,6 +12,7 @@ hop in a real trace backend."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -199,6 +200,24 @@ def test_models_by_path_with_entitlements_costs_and_per_model_quotas(fleet):
                               "tenants": [{**tenant("team-a"), "models": {"m5": {"shape_tokens": 512, "per": "1h"}}}]})
 
 
+def test_the_gateway_joins_the_clients_trace_and_passes_it_on(fleet):
+    """With `tracing`, a request's W3C traceparent reaches the server in the same trace, its
+    parent one of the gateway's spans; a request without one starts a trace there. (Its spans
+    go to a collector that is not there: the request does not wait for them. Every hop in a real
+    trace backend: the test below.)"""
+    from cubeserve import tracing
+
+    backend = fleet.stub("b1")
+    g = fleet.gateway({"backends": [backend.address], "tenants": [tenant("team-a")],
+                       "tracing": {"collector": f"127.0.0.1:{free_port()}"}})
+    sent = tracing.new_traceparent()
+    assert call(g, key=KEYS["team-a"], headers={"traceparent": sent})[0] == 200
+    assert call(g, key=KEYS["team-a"])[0] == 200
+    [joined, started] = [r["headers"]["traceparent"] for r in backend.requests()]
+    assert tracing.trace_id(joined) == tracing.trace_id(sent) and joined.split("-")[2] != sent.split("-")[2]
+    assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", started) and tracing.trace_id(started) != tracing.trace_id(sent)
+
+
 # -- heavier: make gateway-e2e-test -----------------------------------------------------------------
 
 @pytest.mark.gateway_e2e
@@ -230,3 +249,98 @@ def test_a_flapping_region_loses_no_request(fleet):
     assert len(flaps) >= 3
     assert set(s for s, _ in statuses) == {200}, shares
     assert shares[(200, "near")] > 0 and shares[(200, "far")] > 0, shares
+
+
+# -- traces: one request through every hop, in a real trace backend --------------------------------
+
+@pytest.mark.gateway_e2e
+def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path):
+    """cube3d-client --trace through the gateway (tracing on), a region's ingress and the real
+    server (front end, tritonserver in its OpenTelemetry mode, the engine's stages), all
+    exporting to Jaeger: the trace id the client prints finds spans of every hop in Jaeger, each
+    hop's span inside its caller's, and the engine's stages inside its generate span, one after
+    another."""
+    import os
+    import subprocess
+    import sys
+
+    from cubeserve import tracing
+    from cubeserve.serving.local_triton import DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights
+    from trace_backend import Jaeger, binary
+
+    if binary() is None:
+        from guards import cannot_run
+
+        cannot_run("Jaeger is not built: `make trace-backend`")
+    root = copy_model_repository(tmp_path / "models")
+    ensure_demo_weights(root, DEMO_MODEL)
+    with Jaeger(tmp_path / "jaeger") as jaeger:
+        env = {tracing.ENDPOINT_ENV: jaeger.otlp_http}
+        with LocalTriton(root, free_port(), free_port(), free_port(), env=env) as server:
+            region = RegionFront("near", [server.http_url.removeprefix("http://")], NEAR_MS,
+                                 workdir=tmp_path / "region").start()
+            try:
+                cfg = gateway_config.parse({
+                    "listen": f"127.0.0.1:{free_port()}", "model": "demo",
+                    "regions": [{"name": "near", "priority": 0, "backends": [region.address]}],
+                    "tracing": {"collector": jaeger.otlp_grpc}, "tenants": [tenant("team-a")]})
+                with Gateway(cfg, tmp_path / "gateway", concurrency=1) as g:
+                    g.wait_healthy()
+                    out = subprocess.run(
+                        [sys.executable, "-m", "cube3d_client.cli", "a round table", "--url", g.url.removeprefix("http://"),
+                         "--api-key", KEYS["team-a"], "--trace", "--seed", "0", "--resolution", "4", "--retries", "0",
+                         "--out", str(tmp_path / "mesh.glb")],
+                        capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+                    assert out.returncode == 0, out.stdout + out.stderr
+                    trace_id = re.search(r"trace id: ([0-9a-f]{32})", out.stdout).group(1)
+                    services = {"cube3d-client", "cube-serve-gateway", "cube3d-front", tracing.TRITON_SERVICE,
+                                "cube3d-engine"}
+
+                    def complete():
+                        spans = jaeger.trace(trace_id)
+                        return services <= {s["service"] for s in spans} and \
+                            {"queue", "prefill", "decode", "geometry"} <= {s["operationName"] for s in spans}
+
+                    try:
+                        wait_until(complete, 30, f"spans of every hop in Jaeger ({sorted(services)})", poll=0.5)
+                    except AssertionError as exc:
+                        found = sorted({(s["service"], s["operationName"]) for s in jaeger.trace(trace_id)})
+                        raise AssertionError(f"{exc}; found {found}; server log: {server._log_tail()}") from None
+            finally:
+                region.stop()
+        spans = jaeger.trace(trace_id)
+    by_id = {s["spanID"]: s for s in spans}
+    print("\n".join(f"{s['service']:20} {s['operationName']:40} {s['duration']:>9} us" for s in
+                    sorted(spans, key=lambda s: s["startTime"])))
+
+    def parent(span):
+        refs = [r["spanID"] for r in span["references"] if r["refType"] == "CHILD_OF"]
+        return by_id.get(refs[0]) if refs else None
+
+    def chain(span):
+        out = []
+        while span is not None:
+            out.append(span)
+            span = parent(span)
+        return out
+
+    tolerance_us = 3000  # clocks are one machine's; timestamps are rounded to microseconds
+    for span in spans:
+        up = parent(span)
+        if up is not None:  # every hop inside its caller's
+            assert up["startTime"] - tolerance_us <= span["startTime"], (span["operationName"], up["operationName"])
+            assert span["startTime"] + span["duration"] <= up["startTime"] + up["duration"] + tolerance_us, \
+                (span["service"], span["operationName"], up["service"], up["operationName"])
+    [root] = [s for s in spans if parent(s) is None]
+    assert root["service"] == "cube3d-client"
+    [front] = [s for s in spans if s["service"] == "cube3d-front"]
+    assert [s["service"] for s in chain(front)][1:] == ["cube-serve-gateway"] * 4 + ["cube3d-client"]
+    [generate] = [s for s in spans if s["service"] == "cube3d-engine" and s["operationName"] == "generate"]
+    assert parent(generate) is front
+    assert any(s["service"] == tracing.TRITON_SERVICE and front in chain(s) for s in spans)
+    stages = sorted((s for s in spans if parent(s) is generate), key=lambda s: s["startTime"])
+    assert [s["operationName"] for s in stages] == ["queue", "prefill", "decode", "geometry"]
+    for before, after in zip(stages, stages[1:]):  # one after another
+        assert before["startTime"] + before["duration"] <= after["startTime"] + tolerance_us
+    assert sum(s["duration"] for s in stages) <= generate["duration"] + tolerance_us
+    assert stages[2]["duration"] > 0  # decoding took time

@@ -31,7 +31,8 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_result(make_engin
         assert res.timings["total_s"] >= res.timings["tokens_s"] > 0
         # The server sends these as JSON and its readers take them by key.
         assert json.loads(json.dumps(res.timings)).keys() == {
-            "queue_s", "tokens_s", "time_per_token_s", "geometry_s", "total_s"}
+            "queue_s", "prefill_s", "tokens_s", "time_per_token_s", "geometry_s", "total_s"}
+        assert res.timings["queue_s"] >= res.timings["prefill_s"] > 0  # the admission ends the wait
         assert res.timings["time_per_token_s"] == res.timings["tokens_s"] / engine.cfg.num_tokens
 
 

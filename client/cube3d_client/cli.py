@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bbox", type=_bbox)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--retries", type=int, default=3)
+    p.add_argument("--trace", action="store_true",
+                   help="start a W3C trace and print its id (spans to $OTEL_EXPORTER_OTLP_ENDPOINT where set; "
+                        "docs/gateway/regions-models-traces.md)")
     return p
 
 
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     client = Cube3DClient(args.url, args.protocol, model=args.model, stream_model=args.stream_model,
                           model_version=args.model_version, host=args.host, timeout=args.timeout,
                           retries=args.retries, ssl=args.ssl, user=args.user,
-                          api_key=args.api_key)
+                          api_key=args.api_key, trace=args.trace)
     on_progress = bar = None
     if args.progress:
         from tqdm import tqdm
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if bar is not None:
             bar.close()
         client.close()
+        if client.trace_id:  # also for a failed request: the trace says where it failed
+            print(f"trace id: {client.trace_id}")
     result.save(out)
     if args.preview:
         Path(args.preview).write_bytes(result.preview_png())

@@ -15,6 +15,7 @@ One client per thread: tritonclient's HTTP client is not thread-safe.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import time
@@ -24,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from cubeserve import tracing
 from cubeserve.deploy import PREDICT_MODEL, STREAM_MODEL
 from cubeserve.serving.experiment import PIN_ARM_KEY, USER_KEY
 from cubeserve.serving.protocol import DATATYPES, MESH_ENCODINGS, decode_mesh, error_kind
@@ -82,13 +84,15 @@ def _is_retryable(exc: Exception) -> bool:
     return ("UNAVAILABLE" in status or "DEADLINE_EXCEEDED" in status or status == "503"
             or error_kind(message) == "unavailable")  # a stream's errors carry no status
 
+TRACE_SERVICE = "cube3d-client"  # the client's spans' service name (cubeserve/tracing.py)
+
 
 class Cube3DClient:
     def __init__(self, url: str = "127.0.0.1:8000", protocol: str = "http", model: str = PREDICT_MODEL,
                  stream_model: str = STREAM_MODEL, model_version: str = "", host: str | None = None,
                  timeout: float = 600.0, retries: int = 3, backoff: float = 1.0, ssl: bool = False,
                  mesh_encoding: str = "binary", user: str | None = None, arm: str | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, trace: bool = False):
         if protocol not in ("http", "grpc"):
             raise ValueError(f"protocol must be 'http' or 'grpc', got {protocol!r}")
         if mesh_encoding not in MESH_ENCODINGS:
@@ -101,6 +105,11 @@ class Cube3DClient:
         # or an arm pinned by name (x-cube3d-arm), e.g. to check one arm by hand.
         self.user, self.arm = user, arm
         self.api_key = api_key  # a tenant's key for the gateway (docs/gateway/index.md), sent as a bearer token
+        # Each generation starts a W3C trace (cubeserve/tracing.py): with $OTEL_EXPORTER_OTLP_ENDPOINT
+        # the client's own span is its root, exported there; without it only the traceparent is sent.
+        self.trace = trace
+        self.trace_id: str | None = None  # the last generation's trace id
+        self._traceparent: str | None = None
         self._client = None
 
     # -- transport ------------------------------------------------------------------------------
@@ -136,6 +145,8 @@ class Cube3DClient:
             headers[PIN_ARM_KEY] = self.arm
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
+        if self._traceparent:
+            headers["traceparent"] = self._traceparent
         return headers or None
 
     def _inputs(self, values: dict):
@@ -193,15 +204,43 @@ class Cube3DClient:
                   "TEMPERATURE": temperature, "RESOLUTION": resolution, "BBOX": bbox, "FORMAT": format,
                   "MESH_ENCODING": self.mesh_encoding}
         start = time.perf_counter()
-        if on_progress is not None:
-            if self.protocol != "grpc":
-                raise ValueError("progress streaming needs protocol='grpc'")
-            result = self._with_retries(lambda: self._stream(values, on_progress))
-        else:
-            result = self._with_retries(lambda: self._infer(values))
+        with self._traced(prompt):
+            if on_progress is not None:
+                if self.protocol != "grpc":
+                    raise ValueError("progress streaming needs protocol='grpc'")
+                result = self._with_retries(lambda: self._stream(values, on_progress))
+            else:
+                result = self._with_retries(lambda: self._infer(values))
         out = self._result(result, format, self.mesh_encoding)
         out.client_seconds = time.perf_counter() - start
         return out
+
+    @contextlib.contextmanager
+    def _traced(self, prompt: str):
+        """The generation's trace: its traceparent in every request (retries too), its id kept."""
+        if not self.trace:
+            yield
+            return
+        tracer = tracing.tracer(TRACE_SERVICE)
+        if tracer is None:
+            self._traceparent = tracing.new_traceparent()
+            self.trace_id = tracing.trace_id(self._traceparent)
+            try:
+                yield
+            finally:
+                self._traceparent = None
+            return
+        from opentelemetry.trace import SpanKind
+
+        with tracer.start_as_current_span("generate", kind=SpanKind.CLIENT,
+                                          attributes={"cube3d.model": self.model, "cube3d.url": self.url}) as span:
+            self._traceparent = tracing.traceparent(span)
+            self.trace_id = tracing.trace_id(self._traceparent)
+            try:
+                yield
+            finally:
+                self._traceparent = None
+        tracing.flush()
 
     def _infer(self, values: dict):
         client = self._connect()

@@ -40,11 +40,12 @@ class Timings:
     """Seconds per stage of one generation. `Engine.generate` runs one batch with no queue;
     the scheduler also knows the wait for a slot and the total."""
 
-    queue_s: float | None = None  # submitted -> admitted (scheduler)
+    queue_s: float | None = None  # submitted -> admitted (scheduler), the admission included
     tokens_s: float  # decoding (with `Engine.generate`: the whole batch's)
     steps: int  # decode steps, one per token of the object
     geometry_s: float  # tokens -> mesh (with `Engine.generate`: the batch's share per object)
     total_s: float | None = None  # submitted -> mesh (scheduler)
+    prefill_s: float | None = None  # the admission: CLIP and prefill of its batch, the end of queue_s (scheduler)
 
     @property
     def time_per_token_s(self) -> float:
@@ -52,8 +53,8 @@ class Timings:
 
     def as_dict(self) -> dict[str, float]:
         """The stages known, as the JSON-able dict that readers take by key."""
-        stages = {"queue_s": self.queue_s, "tokens_s": self.tokens_s, "time_per_token_s": self.time_per_token_s,
-                  "geometry_s": self.geometry_s, "total_s": self.total_s}
+        stages = {"queue_s": self.queue_s, "prefill_s": self.prefill_s, "tokens_s": self.tokens_s,
+                  "time_per_token_s": self.time_per_token_s, "geometry_s": self.geometry_s, "total_s": self.total_s}
         return {k: v for k, v in stages.items() if v is not None}
 
 

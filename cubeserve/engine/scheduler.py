@@ -104,6 +104,7 @@ class Ticket:
     deadline: float | None = None  # time.perf_counter() after which the result is no use
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
+    admitting: float | None = None  # its admission (CLIP and prefill) began
     admitted: float | None = None
     decoded: float | None = None
     _cancel: threading.Event = field(default_factory=threading.Event)
@@ -281,6 +282,7 @@ class Scheduler:
             self.stats.on_waiting(len(self._waiting))
         if not batch:
             return
+        admitting = time.perf_counter()
         try:
             slots = self.runner.admit([t.request for t in batch])
         except Exception as exc:  # e.g. out of memory in CLIP or prefill: fail these, keep serving
@@ -290,7 +292,7 @@ class Scheduler:
             return
         now = time.perf_counter()
         for slot, ticket in zip(slots, batch):
-            ticket.admitted = now
+            ticket.admitting, ticket.admitted = admitting, now
             self._slots[slot] = ticket
             self.stats.on_admit(now - ticket.submitted)
 
@@ -386,7 +388,8 @@ class Scheduler:
                     release_openmp_workers()
                 result = GenerationResult(ticket.request, tokens.tolist(), mesh, Timings(
                     queue_s=ticket.admitted - ticket.submitted, tokens_s=ticket.decoded - ticket.admitted,
-                    steps=n, geometry_s=t1 - t0, total_s=t1 - ticket.submitted))
+                    steps=n, geometry_s=t1 - t0, total_s=t1 - ticket.submitted,
+                    prefill_s=ticket.admitted - ticket.admitting))
                 self.stats.on_complete()
                 ticket.future.set_result(result)
             except Exception as exc:

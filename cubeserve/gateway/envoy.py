@@ -295,7 +295,7 @@ def render(config: GatewayConfig) -> dict:
         {"name": "envoy.filters.http.local_ratelimit", "typed_config": {
             "@type": _TYPE + "filters.http.local_ratelimit.v3.LocalRateLimit", "stat_prefix": "quota"}},
     ]
-    tracing = _tracing(config, "gateway")
+    tracing = _tracing(config)
     edge = _hcm("edge", edge_routes, edge_filters,
                 # The peer is the client: x-envoy-* headers from it are dropped (no client sets
                 # its own retries or timeouts), x-forwarded-for is the peer's address.
@@ -358,7 +358,7 @@ def _collector_cluster(address: tuple[str, int]) -> dict:
                 {"endpoint": {"address": _socket(*address)}}]}]}}
 
 
-def _tracing(config: GatewayConfig, service: str) -> dict:
+def _tracing(config: GatewayConfig) -> dict:
     """The HCM's tracing: Envoy's OpenTelemetry tracer reads and writes W3C `traceparent`
     (joining a client's trace, or starting one), and exports a span per hop over OTLP/gRPC."""
     if not config.tracing:

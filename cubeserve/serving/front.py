@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from cubeserve import deploy
+from cubeserve import deploy, tracing
 from cubeserve.serving import checks
 from cubeserve.serving.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
                                       OUTPUT_PARAMETERS, REQUEST_PARAMETERS, Refused)
@@ -67,6 +67,7 @@ FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant|model)$")
 RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
 _HEADER_LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "١٢"
 LISTEN_BACKLOG = 128
+TRACE_SERVICE = "cube3d-front"  # the front end's spans' service name (cubeserve/tracing.py)
 
 
 @dataclass(frozen=True)
@@ -348,6 +349,7 @@ class FrontEnd(LoopThread):
         self._session: ClientSession | None = None
         self._thread: threading.Thread | None = None
         self.stopping = False  # set by the supervisor once tritonserver is told to stop
+        tracing.tracer(TRACE_SERVICE)  # where tracing is on, the SDK imported now, not in a request's time
 
     # What the handler does, in order: route, authorize, read within the bound, rewrite, forward.
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -400,7 +402,24 @@ class FrontEnd(LoopThread):
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         kind, limit = self._route(request)
+        tracer = tracing.tracer(TRACE_SERVICE) if kind in ("infer", "generate") else None
+        if tracer is None:
+            return await self._handle_request(request, kind, limit, {})
+        from opentelemetry.trace import SpanKind
+
+        # A span for the request, a child of the caller's traceparent; tritonserver's spans and
+        # the engine's are its children (tracing.py).
+        with tracer.start_as_current_span(f"{request.method} {request.path}", context=tracing.extract(request.headers),
+                                          kind=SpanKind.SERVER) as span:
+            parent = tracing.traceparent(span)
+            response = await self._handle_request(request, kind, limit, {"traceparent": parent,
+                                                                         tracing.TRACE_KEY: parent})
+            span.set_attribute("http.response.status_code", response.status)
+            return response
+
+    async def _handle_request(self, request: web.Request, kind: str, limit: int, trace: dict) -> web.StreamResponse:
         headers = {k: v for k, v in request.headers.items() if FORWARD_HEADER.match(k)}
+        headers.update(trace)
         accept = request.headers.get("Accept-Encoding")
         if accept:
             headers["Accept-Encoding"] = accept[:256]

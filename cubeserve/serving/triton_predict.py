@@ -34,6 +34,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from cubeserve import tracing
 from cubeserve.deploy import REQUEST_TIMEOUT_S, STREAM_MODEL
 from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.serving import agreement, experiment, protocol
@@ -44,6 +45,7 @@ from cubeserve.serving.stubs import release_backend_objects, stub_alive
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters
 from cubeserve.serving.triton_metrics import Measurements
 
+ENGINE_TRACE_SERVICE = "cube3d-engine"  # the engine's spans' service name (cubeserve/tracing.py)
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks at the waiting forwards
 RETRY_EXPERIMENT_S = 2.0  # how often an experiment naming versions not loaded yet is tried again
 # The outputs the engine gives a forward (PROGRESS is for streams; ARM is this model's).
@@ -116,6 +118,7 @@ class Forward(Reply):
         self.version, self.arm = version, arm
         self.started = time.monotonic()
         self.tokens, self.engine_seconds = 0, 0.0  # of its mesh, for the tenant's usage
+        self.timings: dict = {}  # the engine's stages (engine.Timings), for the trace
         self.cancel_sent = False
         self._claim_lock = threading.Lock()
         self._claimed = False
@@ -147,6 +150,16 @@ class ServedAnswer:
     def set(self, outputs: dict[str, np.ndarray] | None) -> None:
         self.outputs = outputs
         self.ready.set()
+
+
+def _trace_parent(request) -> str | None:
+    """The front end's span as the request carries it (tracing.TRACE_KEY), where tracing is on."""
+    if not tracing.endpoint():
+        return None
+    try:
+        return _parameter(json.loads(request.parameters() or "{}"), tracing.TRACE_KEY)
+    except Exception:  # noqa: BLE001 - tracing never fails a request
+        return None
 
 
 def _parameter(request_parameters: dict, key: str) -> str | None:
@@ -183,6 +196,7 @@ class PredictModel:
         self.measurements.loaded(self.version)
         self.tenants = metric_names.known_tenants(os.environ.get(metric_names.TENANTS_ENV))
         self.models = metric_names.known_tenants(os.environ.get(metric_names.MODELS_ENV))
+        tracing.tracer(ENGINE_TRACE_SERVICE)  # the SDK imported now, not in a request's time
         self.measurements.tenants_loaded(self.version, self.tenants, self.models)
         self.experiments = ExperimentSource(params.get(experiment.EXPERIMENT_PARAMETER, ""),
                                             os.environ.get(experiment.EXPERIMENT_FILE_ENV, ""), self.engine_model)
@@ -241,7 +255,44 @@ class PredictModel:
         self.measurements.request(forward.version, forward.arm, outcome, time.monotonic() - forward.started)
         self.measurements.usage(forward.version, *self._tenant(forward.request), outcome, forward.tokens,
                                 forward.engine_seconds)
+        parent = _trace_parent(forward.request)  # read before send lets the request go
+        ended = time.time_ns(), time.monotonic()
         forward.send(answer)
+        self._trace(forward, outcome, parent, ended)
+
+    def _trace(self, forward: Forward, outcome: str, parent: str | None, ended: tuple[int, float]) -> None:
+        """The request's time in the engine as spans (cubeserve/tracing.py), children of the span
+        the front end sent (TRACE_KEY): `generate` from this model's start to its answer, and
+        inside it the engine's stages as Timings measured them, laid back to back from the
+        engine's end: waiting for a slot, prefill (CLIP and the condition prefill), decode,
+        geometry. Nothing without a parent or where tracing is off."""
+        tracer = tracing.tracer(ENGINE_TRACE_SERVICE) if parent else None
+        if tracer is None:
+            return
+        try:
+            from opentelemetry import trace as otel
+
+            end, end_monotonic = ended
+            start = end - int((end_monotonic - forward.started) * 1e9)
+            span = tracer.start_span("generate", context=tracing.extract({"traceparent": parent}), start_time=start,
+                                     attributes={"cube3d.version": str(forward.version), "cube3d.arm": forward.arm,
+                                                 "cube3d.outcome": outcome, "cube3d.shape_tokens": forward.tokens})
+            stages = forward.timings
+            if stages.get("total_s") is not None:
+                context = otel.set_span_in_context(span)
+                engine_start = end - int(stages["total_s"] * 1e9)
+                prefill = stages.get("prefill_s") or 0.0
+                at = engine_start
+                for name, seconds in (("queue", stages.get("queue_s", 0.0) - prefill), ("prefill", prefill),
+                                      ("decode", stages.get("tokens_s", 0.0))):
+                    stage_end = at + int(max(0.0, seconds) * 1e9)
+                    tracer.start_span(name, context=context, start_time=at).end(end_time=stage_end)
+                    at = stage_end
+                tracer.start_span("geometry", context=context,
+                                  start_time=end - int(stages.get("geometry_s", 0.0) * 1e9)).end(end_time=end)
+            span.end(end_time=end)
+        except Exception as exc:  # noqa: BLE001 - tracing never fails a request
+            pb_utils.Logger.log_warn(f"tracing {forward.id} failed: {exc}")
 
     def _route(self, request) -> tuple[Forward, ServedAnswer | None]:
         """The forward that serves the request and, when a shadow copy goes out, where the copy
@@ -345,7 +396,7 @@ class PredictModel:
         try:
             outputs = {t.name(): t.as_numpy() for t in answer.output_tensors()}
             forward.tokens = int(outputs["SHAPE_TOKENS"].size)
-            timings = json.loads(bytes(outputs["TIMINGS"].reshape(-1)[0]))
+            timings = forward.timings = json.loads(bytes(outputs["TIMINGS"].reshape(-1)[0]))
             forward.engine_seconds = float(timings.get("tokens_s") or 0) + float(timings.get("geometry_s") or 0)
         except Exception as exc:  # noqa: BLE001 - metering never fails a request
             pb_utils.Logger.log_warn(f"measuring the work of {forward.id} failed: {exc}")
@@ -453,6 +504,7 @@ class PredictModel:
             pb_utils.Logger.log_warn(f"cancelling {forward.id} failed: {exc}")
 
     def finalize(self):
+        tracing.flush()
         self.stopping.set()
         self.watchdog.join(2 * WATCH_INTERVAL_S)
         with self.pending_lock:
