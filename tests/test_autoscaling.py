@@ -246,7 +246,7 @@ def test_the_keda_query_follows_a_stepped_load_and_a_drained_replica_loses_nothi
         config["scrape_configs"] = [{"job_name": "cube3d", "honor_labels": True, "static_configs": static}]
         prometheus.config.write_text(json.dumps(config))
         query = deploy.concurrency_query("cube3d")
-        with prometheus.start():
+        with prometheus:  # starts it (and stops it by its PID)
             assert prometheus.wait_for(f"count({query.removeprefix('sum(').removesuffix(')')})", 60), "no series scraped"
             load = Load(servers)
             replicas, seen = 1, []
