@@ -559,6 +559,21 @@ CEL_RULES = {
     ("BackendTrafficPolicy", "numerator must be less than or equal to denominator"):
         lambda spec: spec["circuitBreaker"]["retryBudget"]["percent"]["numerator"]
         <= spec["circuitBreaker"]["retryBudget"]["percent"].get("denominator", 100),
+    # Regions, entitlements, tracing (tests/test_gateway_regions.py holds their numbers).
+    ("SecurityPolicy", "at least one of principal or cel must be specified"):
+        lambda spec: all("principal" in r or "cel" in r for r in spec["authorization"]["rules"]),
+    ("SecurityPolicy", "at least one of methods or path must be specified"):
+        lambda spec: all("methods" in r["operation"] or "path" in r["operation"]
+                         for r in spec["authorization"]["rules"] if "operation" in r),
+    ("Backend", "one of fqdn, ip or unix must be specified"):
+        lambda spec: all(sum(k in e for k in ("fqdn", "ip", "unix")) == 1 for e in spec["endpoints"]),
+    ("Backend", "fqdn addresses cannot be mixed with other address types"):
+        lambda spec: len({next(iter(e)) for e in spec["endpoints"]}) == 1,
+    ("EnvoyProxy", "host or backendRefs needs to be set"):
+        lambda spec: "backendRefs" in spec["telemetry"]["tracing"]["provider"],
+    ("EnvoyProxy", "BackendRefs only support Service and Backend kind."):
+        lambda spec: all(r.get("kind", "Service") in ("Service", "Backend")
+                         for r in spec["telemetry"]["tracing"]["provider"]["backendRefs"]),
 }
 
 
@@ -597,7 +612,8 @@ def test_k8s_gateway_is_valid_for_envoy_gateway_v190(gateway_k8s):
     bundle, schemas, objects = gateway_k8s
     assert bundle["gateway-api"] == ["v1.6.1"]
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["BackendTrafficPolicy", "Gateway", "GatewayClass", "HTTPRoute", "SecurityPolicy"]
+    assert kinds == ["Backend", "BackendTrafficPolicy", "EnvoyProxy", "Gateway", "GatewayClass", "HTTPRoute",
+                     "SecurityPolicy"]
     for obj in objects:
         assert (obj["apiVersion"], obj["kind"]) in schemas, obj["kind"]
         assert crd_errors(obj, schemas) == [], obj["kind"]
@@ -635,7 +651,8 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
     examples = gateway_config.load(REPO / "examples" / "gateway.yaml")
     cluster_cost = get_config("v0.1").num_tokens
     units = {3600: "Hour", 60: "Minute", 1: "Second", 86400: "Day"}
-    rules = by_kind["BackendTrafficPolicy"]["spec"]["rateLimit"]["global"]["rules"]
+    rules = [r for r in by_kind["BackendTrafficPolicy"]["spec"]["rateLimit"]["global"]["rules"]
+             if "cube3d-v05" not in r["clientSelectors"][0]["path"]["value"]]  # the second model's: test_gateway_regions
     assert by_kind["BackendTrafficPolicy"]["spec"]["rateLimit"]["type"] == "Global"
     expected = [({"name": TENANT_KEY, "type": "Exact", "value": t.id},
                  t.quota.shape_tokens // examples.tokens_per_object * cluster_cost, units[t.quota.per_s],
@@ -661,8 +678,8 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
     budget = spec["circuitBreaker"]["retryBudget"]
     assert budget["percent"]["numerator"] * 100 / budget["percent"]["denominator"] == local.RETRY_BUDGET_PERCENT
     assert budget["minRetryConcurrency"] == local.MIN_RETRIES_AT_ONCE
-    # The route: the predict API's paths and nothing else.
-    [rule] = by_kind["HTTPRoute"]["spec"]["rules"]
+    # The default model's route: the predict API's paths and nothing else.
+    [rule] = [r for r in by_kind["HTTPRoute"]["spec"]["rules"] if r["name"] == "cube3d"]
     [match] = rule["matches"]
     assert match["path"]["type"] == "RegularExpression"
     allowed = re.compile(match["path"]["value"])

@@ -20,11 +20,13 @@ from collections import Counter
 import pytest
 
 from cubeserve.gateway import config as gateway_config
-from cubeserve.gateway.envoy import Gateway, model_cluster, render
+from cubeserve.gateway.envoy import Gateway, model_cluster, model_path, render, validate, write
 from cubeserve.gateway.regions import RegionFront
+from cubeserve.serving.experiment import TENANT_KEY
 from cubeserve.serving.local_triton import free_port
 from serving_helpers import wait_until
-from test_gateway import INFER, KEYS, Stub, call, envoy, tenant  # noqa: F401 (envoy: the module's skip)
+from test_gateway import (INFER, KEYS, REPO, Stub, call, envoy, gateway_k8s,  # noqa: F401 (fixtures)
+                          tenant)
 
 NEAR_MS, FAR_MS = 2, 40
 
@@ -216,6 +218,75 @@ def test_the_gateway_joins_the_clients_trace_and_passes_it_on(fleet):
     [joined, started] = [r["headers"]["traceparent"] for r in backend.requests()]
     assert tracing.trace_id(joined) == tracing.trace_id(sent) and joined.split("-")[2] != sent.split("-")[2]
     assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", started) and tracing.trace_id(started) != tracing.trace_id(sent)
+
+
+# -- k8s/gateway: the same for Envoy Gateway v1.9.0 --------------------------------------------------
+
+def test_k8s_gateway_says_what_examples_gateway_regions_does(gateway_k8s, tmp_path):
+    """k8s/gateway/ (valid for Envoy Gateway v1.9.0: tests/test_gateway.py) against the local
+    example with regions, models, entitlements and tracing: the far region a fallback Backend
+    (priority 1) beside the near one, retries moving priority after each try as the local
+    previous_priorities does, a rule per model with its path rewritten and its model header, a
+    Deny for each model a tenant is not entitled to, the second model's cost and quota, and
+    Envoy's spans to an OTLP collector at every request."""
+    _, _, objects = gateway_k8s
+    by_kind = {o["kind"]: o for o in objects}
+    example = gateway_config.load(REPO / "examples" / "gateway-regions.yaml")
+    validate(example, write(example, tmp_path))  # Envoy accepts the example
+    rendered = render(example)
+    default, second = example.models
+    # Regions: near first (the predictor Service), the far one a fallback (priority 1).
+    assert [r.priority for r in default.regions] == [0, 1]
+    [backend] = [o for o in objects if o["kind"] == "Backend"]
+    assert backend["spec"]["fallback"] is True
+    rules = {r["name"]: r for r in by_kind["HTTPRoute"]["spec"]["rules"]}
+    refs = rules[default.name]["backendRefs"]
+    assert refs[0] == {"name": "cube3d-predictor", "port": 80}
+    assert refs[1] == {"group": "gateway.envoyproxy.io", "kind": "Backend", "name": backend["metadata"]["name"]}
+    [inner] = [listener for listener in rendered["static_resources"]["listeners"] if listener["name"] == "backends"]
+    local_retry = inner["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
+        "routes"][0]["route"]["retry_policy"]
+    retry = by_kind["BackendTrafficPolicy"]["spec"]["retry"]
+    assert retry["numAttemptsPerPriority"] == local_retry["retry_priority"]["typed_config"]["update_frequency"]
+    assert retry["numRetries"] == local_retry["num_retries"]
+    assert by_kind["BackendTrafficPolicy"]["spec"]["healthCheck"]["passive"]["consecutiveGatewayErrors"] >= 1 << 20
+    # Models: a rule each, rewritten to the servers' names, the model named in x-cube3d-model.
+    for name, prefix, upstream in ((second.name, f"/v2/models/{second.name}", "/v2/models/cube3d"),
+                                   (f"{second.name}-stream", f"/v2/models/{second.name}_stream",
+                                    "/v2/models/cube3d_stream")):
+        rule = rules[name]
+        assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": prefix}}]
+        filters = {f["type"]: f for f in rule["filters"]}
+        assert filters["URLRewrite"]["urlRewrite"]["path"]["replacePrefixMatch"] == upstream
+        assert filters["RequestHeaderModifier"]["requestHeaderModifier"]["set"] == \
+            [{"name": "x-cube3d-model", "value": second.name}]
+    assert rules[default.name]["filters"][0]["requestHeaderModifier"]["set"] == \
+        [{"name": "x-cube3d-model", "value": default.name}]
+    # Entitlements: a Deny for each (tenant, model) the example refuses, and no other.
+    auth = by_kind["SecurityPolicy"]["spec"]["authorization"]
+    assert auth["defaultAction"] == "Allow"
+    denied = {(h["values"][0], r["operation"]["path"]["value"]) for r in auth["rules"] if r["action"] == "Deny"
+              for h in r["principal"]["headers"] if h["name"] == TENANT_KEY}
+    expected = {(t.id, m.name) for t in example.tenants for m in example.models if not t.entitled(m.name)}
+    assert {(tenant_id, next(m.name for m in example.models if re.fullmatch(regex, f"/v2/models/{m.name}/infer")))
+            for tenant_id, regex in denied} == expected == {("team-b", second.name)}
+    for tenant_id, regex in denied:  # the same paths as the local 403
+        for path in (f"/v2/models/{second.name}/infer", f"/v2/models/{second.name}_stream/generate_stream",
+                     f"/v2/models/{second.name}/config", f"/v2/models/{default.name}/infer"):
+            assert bool(re.fullmatch(regex, path)) == bool(re.fullmatch(model_path(second), path)), path
+    # The second model's cost and team-a's quota of it.
+    [v05] = [r for r in by_kind["BackendTrafficPolicy"]["spec"]["rateLimit"]["global"]["rules"]
+             if second.name in r["clientSelectors"][0]["path"]["value"]]
+    team_a = next(t for t in example.tenants if t.id == "team-a")
+    assert v05["cost"]["request"]["number"] == second.tokens_per_object == 1024
+    assert v05["limit"] == {"requests": dict(team_a.model_quotas)[second.name].shape_tokens, "unit": "Hour"}
+    # Traces: Envoy's OpenTelemetry tracer at every request, to an OTLP/gRPC collector.
+    tracing = by_kind["EnvoyProxy"]["spec"]["telemetry"]["tracing"]
+    assert tracing["samplingRate"] == example.tracing.sample_percent == 100
+    assert tracing["provider"]["type"] == "OpenTelemetry"
+    assert tracing["provider"]["backendRefs"][0]["port"] == example.tracing.collector[1] == 4317
+    assert by_kind["Gateway"]["spec"]["infrastructure"]["parametersRef"] == \
+        {"group": "gateway.envoyproxy.io", "kind": "EnvoyProxy", "name": by_kind["EnvoyProxy"]["metadata"]["name"]}
 
 
 # -- heavier: make gateway-e2e-test -----------------------------------------------------------------
