@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, in one go: a preflight of the decode step (~20 s), the CUDA tests, then the
-# engine benchmark with the full v0.1 and v0.5 shapes (random weights have the real cost). The
+# engine benchmark with the full v0.1 and v0.5 shapes (random weights have the real cost), and one
+# replica's capacity under concurrent clients. The
 # CUDA tests (tests/test_cuda.py, whose docstring lists what only a GPU proves) include Warp's
 # marching cubes on the device where Warp is installed and the engine model as a Triton KIND_GPU
 # instance where nvidia-pytriton is (each skips, with the reason, where it is not); the runner's
@@ -30,5 +31,9 @@ timeout 200 python3 -m pytest -x -q -p no:cacheprovider $per_test \
     tests/test_runner_device.py tests/test_engine.py tests/test_sampling.py tests/test_cuda.py 2>&1 \
     | tail -30 | tee "$OUT/tests.txt" || status=1
 timeout 330 python3 -m bench --only engine 2>&1 | grep -v "it/s" | tee "$OUT/bench.txt" || status=1
+# One replica's capacity (the autoscaling target, cubeserve.deploy.SCALE_TARGET): the engine's
+# scheduler with the v0.1 shapes under 1, 4, 8 and 16 closed-loop clients (no tritonserver here),
+# 15 s a step: under 2 minutes, so the whole check stays within about 12.5 minutes at worst.
+timeout 120 python3 -m bench.capacity --engine v0.1 --steps 1,4,8,16 --seconds 15 2>&1 | tee "$OUT/capacity.txt" || status=1
 cp BENCHMARKS.md bench/results.json "$OUT/" 2>/dev/null
 exit $status
