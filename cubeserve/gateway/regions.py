@@ -19,13 +19,18 @@ import json
 from cubeserve.gateway.envoy import _TYPE, Gateway, _hcm, _socket
 from cubeserve.serving.local_triton import free_port
 
+REGION_HEADER = "x-cube3d-region"
+
 
 def render(name: str, port: int, backends: list[str], delay_ms: float, max_in_flight: int | None) -> dict:
     many = 1 << 20
     fault = {"name": "envoy.filters.http.fault", "typed_config": {
         "@type": _TYPE + "filters.http.fault.v3.HTTPFault",
         "delay": {"fixed_delay": f"{delay_ms / 1000:g}s", "percentage": {"numerator": 100, "denominator": "HUNDRED"}}}}
-    route = {"match": {"prefix": "/"}, "route": {"cluster": name, "timeout": "0s"}}
+    route = {"match": {"prefix": "/"}, "route": {"cluster": name, "timeout": "0s"},
+             # Which region answered, for the benchmark's shares (bench/gateway.py).
+             "response_headers_to_add": [{"header": {"key": REGION_HEADER, "value": name},
+                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
     hcm = _hcm(f"region.{name}", [route], [fault])
     hosts = [b.rsplit(":", 1) for b in backends]
     cluster = {"name": name, "connect_timeout": "2s",
