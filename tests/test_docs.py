@@ -75,6 +75,7 @@ RUN_BY = {
     ("cubeserve", "rollout", "version-set"): ("tests/test_rollout.py", '"version-set"'),
     ("cube3d-client",): ("tests/test_clients.py", "project_client"),
     ("kubectl", "apply"): ("tests/test_cluster.py", "--server-side"),
+    ("python", "-m", "bench.capacity"): ("tests/test_bench_capacity.py", "capacity.run("),
 }
 # A docs command no test runs here, and what it needs; it is still checked (module docstring).
 NEEDS = {
@@ -157,6 +158,8 @@ def key(words: list[str]) -> tuple[str, ...]:
         return out
     if program == "make":
         return (program, next((w for w in words[1:] if "=" not in w), ""))
+    if program in ("python", "python3") and len(words) > 2 and words[1] == "-m":
+        return ("python", "-m", words[2])  # the module is the command
     if program in ("kubectl", "python"):
         return (program, words[1])
     return (program,)

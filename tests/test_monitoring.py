@@ -17,6 +17,7 @@ from cubeserve import deploy
 from cubeserve.serving import metrics as m
 from k8s_validation import REPO, _rendered, find
 from prometheus_server import require_prometheus
+from cubeserve.serving.drain import IN_PROGRESS_METRIC
 
 MONITORING = REPO / "k8s" / "monitoring"
 NAMESPACE = "models"
@@ -25,9 +26,12 @@ COUNTERS = {m.REQUESTS, m.MESHES, m.SHADOW_REQUESTS,
             # per tenant (the gateway's; `cubeserve usage`, tests/test_gateway.py)
             m.TENANT_REQUESTS, m.TENANT_OBJECTS, m.TENANT_SHAPE_TOKENS, m.TENANT_ENGINE_SECONDS}
 HISTOGRAMS = {m.REQUEST_DURATION, m.TIME_PER_OUTPUT_TOKEN, m.QUEUE_TIME, m.SHADOW_DURATION, m.SHADOW_AGREEMENT}
+# The gauge of the requests each model instance holds (serving/triton_common.py's Drain; the drain
+# and the autoscalers read it): labels model, version, instance.
+GAUGES = {IN_PROGRESS_METRIC}
 # The labels of those series (metrics.py's docstring), and those the scrape adds.
 SERIES_LABELS = {"model", "version", "arm", "outcome", "quality", "measure", "baseline", "tenant", "gateway_model",
-                 "le"}
+                 "le", "instance"}
 TARGET_LABELS = {"namespace", "pod", "serving_kserve_io_inferenceservice"}
 
 
@@ -80,8 +84,8 @@ def grouping_labels(expr: str) -> set[str]:
 
 def unknown_metrics(expr: str) -> list[str]:
     """Names that are not metrics.py's series as Prometheus exposes them: a counter by its name,
-    a histogram only through its _bucket, _sum and _count series."""
-    allowed = COUNTERS | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+    a histogram only through its _bucket, _sum and _count series; or the engine's gauges."""
+    allowed = COUNTERS | GAUGES | {h + suffix for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
     return sorted(metric_names(expr) - allowed)
 
 
@@ -147,7 +151,7 @@ def test_the_rules_pass_promtool_check_and_every_alert_is_documented(tmp_path):
     result = promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(alerts()) == {"Cube3DHighErrorRate", "Cube3DSlowRequests", "Cube3DLongQueue", "Cube3DEmptyMeshes",
-                             "Cube3DNoTraffic"}
+                             "Cube3DNoTraffic", "Cube3DAtMaxReplicas"}
     for name, rule in alerts().items():
         assert re.fullmatch(r"\d+m", rule["for"]), name
         assert rule["labels"]["severity"] in ("critical", "warning"), name
@@ -246,6 +250,22 @@ def test_empty_mesh_alert(tmp_path):
         {"eval_time": "10m", "alertname": "Cube3DEmptyMeshes", "exp_alerts": []},
         {"eval_time": "45m", "alertname": "Cube3DEmptyMeshes",
          "exp_alerts": [expected("Cube3DEmptyMeshes", {"version": "2", "arm": "candidate"}, 0.3)]},
+    ]}])
+
+
+def test_at_max_replicas_alert(tmp_path):
+    """Fires for a version on 4 pods each above 8 requests in progress; not on 3 such pods, nor on
+    4 pods at the target; the predict model's copy of each request (model cube3d) is not counted."""
+    def pods(service, version, count, each):
+        return [series(IN_PROGRESS_METRIC, {"model": model, "version": version, "instance": "cube3d_stream_0",
+                                            "serving_kserve_io_inferenceservice": service,
+                                            "pod": f"{service}-predictor-7c9d8b6f5-p{i}"}, f"{each}+0x60")
+                for i in range(count) for model in ("cube3d_stream", "cube3d")]
+    inputs = pods("cube3d", "1", 4, 10) + pods("cube3d", "2", 1, 30) + pods("busy", "1", 3, 20) + pods("fine", "1", 4, 8)
+    labels = {"serving_kserve_io_inferenceservice": "cube3d", "version": "1"}
+    run_promtool_tests(tmp_path, [{"interval": "1m", "input_series": inputs, "alert_rule_test": [
+        {"eval_time": "10m", "alertname": "Cube3DAtMaxReplicas", "exp_alerts": []},
+        {"eval_time": "30m", "alertname": "Cube3DAtMaxReplicas", "exp_alerts": [expected("Cube3DAtMaxReplicas", labels, 10)]},
     ]}])
 
 

@@ -212,10 +212,11 @@ def canary_replicas(isvc: Mapping, mode: str, percent: int) -> str:
     predictor = get(isvc, "spec", "predictor") or {}
     minimum, maximum = predictor.get("minReplicas", 1), predictor.get("maxReplicas") or "unlimited"
     if mode == RAW:
-        # components/predictor.go canaryReplicaCount 886-895 and the stable's minimum 795-803 (v0.20.0)
+        # components/predictor.go canaryReplicaCount 886-895 and the stable's minimum 795-803; the
+        # canary's HPA raises a minimum below 1 to 1 (hpa_reconciler.go 154-157) (v0.20.0)
         canary = -(-minimum * percent // 100)
-        return (f"the canary runs {canary} replica(s) (ceil(minReplicas {minimum} x {percent}%)), fixed; the "
-                f"stable's minimum drops to {max(minimum - canary, 1)} meanwhile")
+        return (f"the canary runs {max(canary, 1)} replica(s) (ceil(minReplicas {minimum} x {percent}%), at least 1), "
+                f"fixed; the stable's minimum drops to {max(minimum - canary, 1)} meanwhile")
     return (f"the canary revision keeps at least {minimum} replica(s) of its own (minReplicas) beside the "
             f"stable revision's, each revision scaling on its own traffic up to {maximum}")
 
