@@ -86,6 +86,11 @@ def ns(stack, request):
     stack.kubectl("delete", "namespace", name, "--wait=false")
 
 
+def keda_releases_only(stack) -> None:
+    if cs.kserve_version(stack.release) < (0, 16, 0):
+        pytest.skip("the autoscaled raw overlays need KServe v0.16.0 (test_the_keda_overlays_need_kserve_0_16)")
+
+
 def newest_only(stack) -> None:
     if stack.release != NEWEST:
         pytest.skip(f"KServe {NEWEST} only (spec.canary, the raw canaries, is v0.20.0's)")
@@ -532,6 +537,7 @@ def test_the_in_server_experiment(stack, ns):
     """`rollout ab --set/--shadow/--clear` writes the ConfigMap cube3d-experiment by server-side
     apply as its one writer; a version the pods do not load is refused; a hand edit makes the
     next write a conflict (nothing overwritten)."""
+    keda_releases_only(stack)
     deploy_raw(stack, ns, "experiment")
     code, out = rollout(stack, ns, "ab", "--set", "control=1:90,candidate=2:10", "--name", "decoder-v2")
     assert code == 0, out
@@ -556,6 +562,7 @@ def test_the_in_server_experiment(stack, ns):
 def test_the_cross_pod_ab_route(stack, ns):
     """`rollout ab --httproute cube3d-ab --weights` patches the HTTPRoute (its CRD's rules
     apply); the arms refuse raw canaries."""
+    keda_releases_only(stack)
     apply_k(stack, "overlays/ab", ns)
     wait_ready(stack, ns, "cube3d-a")
     wait_ready(stack, ns, "cube3d-b")
