@@ -18,7 +18,7 @@ import threading
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACE_KEY = "x-cube3d-traceparent"  # the front end's span, for the models (a client's is dropped)
 _LOCK = threading.Lock()
-_PROVIDERS: dict[str, object] = {}  # service -> its TracerProvider (None: no SDK)
+_PROVIDERS: dict[tuple[str, str], object] = {}  # (service, endpoint) -> its TracerProvider (None: no SDK)
 
 
 def endpoint() -> str | None:
@@ -29,21 +29,22 @@ def tracer(service: str):
     """An OpenTelemetry tracer exporting as `service`, or None where tracing is off."""
     if not endpoint():
         return None
+    key = (service, endpoint())  # a provider exports where the variable said when it was made
     with _LOCK:
-        if service not in _PROVIDERS:
+        if key not in _PROVIDERS:
             try:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
                 from opentelemetry.sdk.resources import Resource
                 from opentelemetry.sdk.trace import TracerProvider
                 from opentelemetry.sdk.trace.export import BatchSpanProcessor
             except ImportError:
-                _PROVIDERS[service] = None
+                _PROVIDERS[key] = None
             else:
                 # A provider per service (several live in one process in the tests), not the global one.
                 provider = TracerProvider(resource=Resource.create({"service.name": service}))
                 provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=200))
-                _PROVIDERS[service] = provider
-        provider = _PROVIDERS[service]
+                _PROVIDERS[key] = provider
+        provider = _PROVIDERS[key]
         return provider.get_tracer("cubeserve") if provider is not None else None
 
 

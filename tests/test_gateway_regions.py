@@ -325,12 +325,12 @@ def test_a_flapping_region_loses_no_request(fleet):
 # -- traces: one request through every hop, in a real trace backend --------------------------------
 
 @pytest.mark.gateway_e2e
-def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path):
+def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path, monkeypatch):
     """cube3d-client --trace through the gateway (tracing on), a region's ingress and the real
     server (front end, tritonserver in its OpenTelemetry mode, the engine's stages), all
     exporting to Jaeger: the trace id the client prints finds spans of every hop in Jaeger, each
     hop's span inside its caller's, and the engine's stages inside its generate span, one after
-    another."""
+    another. Over gRPC (to the server): the client, the gRPC front end and the engine in one trace."""
     import os
     import subprocess
     import sys
@@ -380,6 +380,16 @@ def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path):
                     except AssertionError as exc:
                         found = sorted({(s["service"], s["operationName"]) for s in jaeger.trace(trace_id)})
                         raise AssertionError(f"{exc}; found {found}; server log: {server._log_tail()}") from None
+                # gRPC, straight to the server (the gateway serves REST): the gRPC front end's span.
+                from cube3d_client import Cube3DClient
+
+                monkeypatch.setenv(tracing.ENDPOINT_ENV, jaeger.otlp_http)  # this process's client span too
+                with Cube3DClient(f"127.0.0.1:{server.grpc_port}", "grpc", trace=True, retries=0) as client:
+                    client.generate("a round table", seed=0, resolution=4)
+                grpc_services = services - {"cube-serve-gateway"}
+                wait_until(lambda: grpc_services <= {s["service"] for s in jaeger.trace(client.trace_id)} and "geometry" in
+                           {s["operationName"] for s in jaeger.trace(client.trace_id)}, 30, "the gRPC request's spans")
+                grpc_spans = jaeger.trace(client.trace_id)
             finally:
                 region.stop()
         spans = jaeger.trace(trace_id)
@@ -390,6 +400,12 @@ def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path):
         _check_trace(spans)
     except AssertionError as exc:  # with every span, so that a failure says what the trace was
         raise AssertionError(f"{exc}\n{table}") from None
+    by_id = {s["spanID"]: s for s in grpc_spans}
+    [front] = [s for s in grpc_spans if s["service"] == "cube3d-front"]
+    [generate] = [s for s in grpc_spans if s["service"] == "cube3d-engine" and s["operationName"] == "generate"]
+    assert front["operationName"] == "ModelInfer"
+    assert by_id[front["references"][0]["spanID"]]["service"] == "cube3d-client"
+    assert by_id[generate["references"][0]["spanID"]] is front
 
 
 def _check_trace(spans: list[dict]) -> None:

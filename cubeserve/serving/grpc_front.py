@@ -41,10 +41,10 @@ import grpc  # noqa: E402
 from google.protobuf.message import DecodeError  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 
-from cubeserve import deploy  # noqa: E402
+from cubeserve import deploy, tracing  # noqa: E402
 from cubeserve.serving import checks  # noqa: E402
 from cubeserve.serving.checks import MAX_ELEMENTS, MAX_RANK, MAX_TENSORS, Refused  # noqa: E402
-from cubeserve.serving.front import LoopThread  # noqa: E402
+from cubeserve.serving.front import TRACE_SERVICE, LoopThread  # noqa: E402
 
 log = logging.getLogger("cubeserve.grpc_front")
 
@@ -179,6 +179,19 @@ class GrpcFrontEnd(LoopThread):
                     raise Refused(400, f"request: not a {OPEN[method].__name__} ({exc})") from None
         except Refused as exc:
             await context.abort(_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+        tracer = tracing.tracer(TRACE_SERVICE) if method == INFER else None
+        if tracer is None:
+            return await self._call(method, raw, metadata, context)
+        from opentelemetry.trace import SpanKind
+
+        # As the REST front end's span (front.py): a child of the caller's traceparent, passed on.
+        given = dict(context.invocation_metadata() or ())
+        with tracer.start_as_current_span("ModelInfer", context=tracing.extract(given), kind=SpanKind.SERVER) as span:
+            parent = tracing.traceparent(span)
+            return await self._call(method, raw, [*metadata, ("traceparent", parent), (tracing.TRACE_KEY, parent)],
+                                    context)
+
+    async def _call(self, method: str, raw: bytes, metadata: list, context: grpc.aio.ServicerContext) -> bytes:
         try:
             return await self._channel.unary_unary(method)(raw, metadata=metadata, timeout=context.time_remaining())
         except grpc.aio.AioRpcError as exc:
