@@ -95,6 +95,18 @@ def test_the_raw_overlays_scale_on_their_own_pods_through_keda(overlay):
         assert predictor["autoScaling"]["behavior"] == {"scaleDown": {"stabilizationWindowSeconds": deploy.SCALE_DOWN_DELAY_S}}
 
 
+def test_the_query_reads_the_gauge_the_servers_export():
+    """The gauge the drain waits on (serving/triton_common.py's Drain), set by each model instance
+    with the `model` label the query filters on; tests/test_autoscaling.py's `scale` test reads it
+    from real servers."""
+    from cubeserve.serving.drain import IN_PROGRESS_METRIC
+
+    assert deploy.CONCURRENCY_METRIC == IN_PROGRESS_METRIC
+    common = (REPO / "cubeserve" / "serving" / "triton_common.py").read_text()
+    assert 'labels={"model": args["model_name"]' in common
+    assert f'{IN_PROGRESS_METRIC}{{model="{deploy.STREAM_MODEL}",' in deploy.concurrency_query()
+
+
 def test_the_query_selects_the_stable_predictors_pods_only():
     """Prometheus anchors =~: the stable Deployment's pods match, a canary's, another
     InferenceService's (an A/B arm) and the Deployment name alone do not."""
@@ -225,7 +237,7 @@ def test_the_keda_query_follows_a_stepped_load_and_a_drained_replica_loses_nothi
     and one of them scraped a second time as a canary's pod) under 2 -> 24 -> 2 clients: at each
     step the manifests' exact query, evaluated by that Prometheus, is the clients' concurrency,
     and the replica count KEDA's HPA computes from it (target SCALE_TARGET, 10% tolerance) goes
-    1 -> 3 -> 1. Then one replica is removed as a scale-down removes a pod (the preStop drain the
+    1 -> 3 -> 1, as does Knative's on the same concurrency. Then one replica is removed as a scale-down removes a pod (the preStop drain the
     manifests run, then SIGTERM) while the clients keep sending: no request is lost."""
     from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
     from prometheus_server import PrometheusServer
@@ -246,6 +258,8 @@ def test_the_keda_query_follows_a_stepped_load_and_a_drained_replica_loses_nothi
         config["scrape_configs"] = [{"job_name": "cube3d", "honor_labels": True, "static_configs": static}]
         prometheus.config.write_text(json.dumps(config))
         query = deploy.concurrency_query("cube3d")
+        knative_target = kserve_standin.knative_target(*kserve_standin.knative_autoscaling(
+            "v0.20.0", find(render("canary"), "InferenceService")))
         with prometheus:  # starts it (and stops it by its PID)
             assert prometheus.wait_for(f"count({query.removeprefix('sum(').removesuffix(')')})", 60), "no series scraped"
             load = Load(servers)
@@ -261,7 +275,9 @@ def test_the_keda_query_follows_a_stepped_load_and_a_drained_replica_loses_nothi
                         time.sleep(1)
                     value = statistics.median(values)
                     replicas = deploy.desired_replicas(value, deploy.SCALE_TARGET, replicas, 1, deploy.MAX_REPLICAS)
-                    seen.append((clients, value, replicas))
+                    # Knative (Serverless) on the same concurrency: ceil(observed / its effective target)
+                    pods = math.ceil(value / knative_target)
+                    seen.append((clients, value, replicas, min(max(pods, 1), deploy.MAX_REPLICAS)))
                 # One replica removed under load, as a scale-down removes a pod: the drain first.
                 load.set_clients(8)
                 time.sleep(3)
@@ -275,8 +291,9 @@ def test_the_keda_query_follows_a_stepped_load_and_a_drained_replica_loses_nothi
                 time.sleep(3)
             finally:
                 load.stop()
-        assert [(c, r) for c, _, r in seen] == [(2, 1), (24, 3), (2, 1)], seen
-        low, high, back = (v for _, v, _ in seen)
+        assert [(c, r) for c, _, r, _ in seen] == [(2, 1), (24, 3), (2, 1)], seen
+        assert [k for *_, k in seen] == [1, 3, 1], seen  # Knative's count on the same signal
+        low, high, back = (v for _, v, _, _ in seen)
         assert low <= 2 and 18 <= high <= 24 and back <= 2, seen  # the canary pod's series left out
         assert load.lost == [] and load.ok > 0, load.lost[:3]
     finally:
