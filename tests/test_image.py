@@ -236,7 +236,7 @@ def test_the_images_python_resolves_the_versions_the_tests_run(resolutions):
 
     base, python, args, image_run, tests_run = resolutions
     assert python, f"FROM {base}: add its Python and glibc to image_build.BASE_PYTHONS"
-    assert '.[gpu,pipeline,front,batch]' in args and any(a.startswith("torch==") for a in args), args
+    assert '.[gpu,pipeline,front,batch,tracing]' in args and any(a.startswith("torch==") for a in args), args
     image_report, tests_report = image_run.result(), tests_run.result()
     # The markers were evaluated for the image's Python, not the one pip ran in.
     assert image_report["environment"]["python_full_version"] == python

@@ -579,7 +579,7 @@ def test_dockerfile_builds_the_runtime_the_manifests_expect():
     assert '"torch==${TORCH_VERSION}"' in runs and "ARG" in dict(steps) and "TORCH_VERSION=2.13.0" in by("ARG")
     # Warp (marching cubes on the GPU), everything the pipeline's steps import, the supervisor's front
     # end, Ray Data for `cubeserve batch` on a RayJob's pods (k8s/batch/)
-    assert 'pip install --no-cache-dir ".[gpu,pipeline,front,batch]"' in runs
+    assert 'pip install --no-cache-dir ".[gpu,pipeline,front,batch,tracing]"' in runs
     assert ["models/demo", f"./triton_models/{deploy.STREAM_MODEL}/1/weights"] in copies
     # The build context's filter keeps local weights out of the image.
     ignore = (REPO / "k8s" / "Dockerfile.dockerignore").read_text().split()

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cubeserve import deploy, tracing
+from cubeserve import deploy
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.stubs import children, process_tree
 
@@ -179,7 +179,6 @@ class LocalTriton:
             "--grpc-address=127.0.0.1", f"--grpc-port={self.triton_grpc_port}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
             *deploy.COMMON_FLAGS,
-            *tracing.tritonserver_flags(self.environment().get(tracing.ENDPOINT_ENV)),
             *self.extra_args,
         ]
 

@@ -71,7 +71,7 @@ import time
 import urllib.error
 import urllib.request
 
-from cubeserve import deploy
+from cubeserve import deploy, tracing
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.drain import clear_markers, in_progress, is_draining
 from cubeserve.serving.front import LISTEN_BACKLOG, FrontEnd, Limits
@@ -215,6 +215,10 @@ class Supervisor:
         # tritonserver's own key: on its command line (Triton reads it nowhere else), so not the admin key.
         server_key = deploy.new_admin_key()
         self.command, self.on_fault, self.env = locked_command(list(command), rest_port, grpc_port, server_key), on_fault, env
+        if not any(arg.startswith("--trace-config") for arg in command):
+            # Where OTEL_EXPORTER_OTLP_ENDPOINT names a collector, tritonserver traces too (its
+            # OpenTelemetry mode), in a pod as on a laptop: cubeserve/tracing.py.
+            self.command += tracing.tritonserver_flags(env.get(tracing.ENDPOINT_ENV))
         self.admin_headers = {deploy.ADMIN_HEADER: server_key}  # the supervisor's own calls to tritonserver
         self.admin_key, self.admin_key_file = key, admin_key_file
         rest_limits, grpc_limits = limits or front_limits(raise_open_files())
