@@ -206,22 +206,7 @@ CONCURRENCY_METRIC = "cube3d_requests_in_progress"
 def concurrency_query(isvc: str = "cube3d") -> str:
     """The PromQL that KEDA evaluates for a raw InferenceService: requests in progress summed over
     the stable predictor's pods (Deployment `<isvc>-predictor`; its pods are named after it). KEDA
-    (HPA, metric type AverageValue) then wants ceil(value / SCALE_TARGET) replicas."""
+    (HPA, metric type AverageValue) then wants ceil(value / SCALE_TARGET) replicas
+    (tests/kserve_standin.py, hpa_replicas)."""
     return (f'sum({CONCURRENCY_METRIC}{{model="{STREAM_MODEL}",pod=~"{isvc}-predictor-[a-z0-9]+-[a-z0-9]+"}})')
 
-
-def desired_replicas(value: float, target: float, current: int, minimum: int, maximum: int,
-                     tolerance: float = 0.1) -> int:
-    """What the HPA behind a KEDA ScaledObject asks for, for an External metric of type
-    AverageValue (KServe writes no metricType, KEDA's default): ceil(value / target), unchanged
-    while value / (target x current) is within the tolerance of 1 (kube-controller-manager's
-    --horizontal-pod-autoscaler-tolerance, 0.1), then clamped to [minimum, maximum] (KEDA gives
-    the HPA minReplicaCount, at least 1, and maxReplicaCount). Stabilization windows come on top."""
-    import math
-
-    current = max(current, 1)
-    if abs(value / (target * current) - 1.0) <= tolerance:
-        wanted = current
-    else:
-        wanted = math.ceil(value / target)
-    return min(max(wanted, minimum, 1), maximum)

@@ -142,8 +142,9 @@ def knative_autoscaling(release: str, isvc: dict) -> tuple[dict, int | None]:
     (components/predictor.go buildPredictorResources 99-103); then SetAutoScalingAnnotations
     (pkg/controller/v1alpha1/utils/utils.go 48-81 at v0.20.0, the same at v0.15.2 48-82): class
     `kpa.autoscaling.knative.dev` unless set, `target` = scaleTarget, `metric` = scaleMetric,
-    `min-scale` = minReplicas (1 when unset), `max-scale` = maxReplicas unless 0 (unlimited);
-    containerConcurrency goes to the revision spec (reconcilers/knative/ksvc_reconciler.go 213).
+    `min-scale` = minReplicas (1 when unset), `max-scale` = maxReplicas unless 0 (unlimited); all
+    of them the revision template's annotations, and containerConcurrency its spec's
+    (reconcilers/knative/ksvc_reconciler.go createKnativeService 88-110, 200-213).
     The same code at every release modelled (v0.14.0-v0.20.0)."""
     predictor = isvc["spec"]["predictor"]
     dropped = disallowed_annotations(release)
@@ -161,14 +162,37 @@ def knative_autoscaling(release: str, isvc: dict) -> tuple[dict, int | None]:
 
 
 def knative_target(annotations: dict, container_concurrency: int | None) -> float:
-    """The concurrency per pod Knative's autoscaler aims at: min(target, containerConcurrency)
-    (a target above the hard limit is the limit) times the utilization (default 70%)
-    (knative/serving v0.48.1 pkg/reconciler/autoscaling/resources/target.go 31-63)."""
-    target = float(annotations.get("autoscaling.knative.dev/target", 100))
-    if container_concurrency:
-        target = min(target, container_concurrency)
+    """The concurrency per pod Knative's autoscaler aims at (knative/serving v0.48.1
+    pkg/reconciler/autoscaling/resources/target.go ResolveMetricTarget 31-63): the `target`
+    annotation, capped at containerConcurrency where that is set (without the annotation:
+    containerConcurrency, or 100 where it is 0), times the utilization (the annotation
+    target-utilization-percentage / 100, else the ConfigMap's default 0.7,
+    pkg/autoscaler/config/config.go), at least 0.01 (autoscaling.TargetMin)."""
+    cc = float(container_concurrency or 0)
+    total = cc or 100.0
+    if "autoscaling.knative.dev/target" in annotations:
+        total = float(annotations["autoscaling.knative.dev/target"])
+        if cc:
+            total = min(total, cc)
     utilization = float(annotations.get("autoscaling.knative.dev/target-utilization-percentage", 70)) / 100
-    return target * utilization
+    return max(0.01, total * utilization)
+
+
+def hpa_replicas(value: float, target: float, current: int, minimum: int, maximum: int,
+                 tolerance: float = 0.1) -> int:
+    """The replicas the HPA behind a KEDA ScaledObject asks for, for an External metric of type
+    AverageValue (KServe writes no metricType: KEDA's default): Kubernetes v1.36.3
+    pkg/controller/podautoscaler/replica_calculator.go GetExternalPerPodMetricReplicas 382-420:
+    the current count while value / (target x current) is within the tolerance of 1 (isWithin
+    56-58; --horizontal-pod-autoscaler-tolerance, 0.1 by default, config/v1alpha1/defaults.go),
+    else ceil(value / target); then clamped to the HPA's [minReplicas, maxReplicas] (KEDA gives it
+    minReplicaCount, at least 1, and maxReplicaCount). Stabilization windows come on top."""
+    import math
+
+    current = max(current, 1)
+    ratio = value / (target * current)
+    wanted = current if 1 - tolerance <= ratio <= 1 + tolerance else math.ceil(value / target)
+    return min(max(wanted, minimum, 1), maximum)
 
 
 # The windows KServe falls back to where the predictor's behavior sets none: the `autoscaler` entry
