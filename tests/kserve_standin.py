@@ -140,12 +140,13 @@ def knative_autoscaling(release: str, isvc: dict) -> tuple[dict, int | None]:
     """(the autoscaling.knative.dev annotations of the revision template, its containerConcurrency)
     for a Serverless predictor. The InferenceService's own annotations pass, but the disallowed ones
     (components/predictor.go buildPredictorResources 99-103); then SetAutoScalingAnnotations
-    (pkg/controller/v1alpha1/utils/utils.go 48-81 at v0.20.0, the same at v0.15.2 48-82): class
-    `kpa.autoscaling.knative.dev` unless set, `target` = scaleTarget, `metric` = scaleMetric,
-    `min-scale` = minReplicas (1 when unset), `max-scale` = maxReplicas unless 0 (unlimited); all
-    of them the revision template's annotations, and containerConcurrency its spec's
-    (reconcilers/knative/ksvc_reconciler.go createKnativeService 88-110, 200-213).
-    The same code at every release modelled (v0.14.0-v0.20.0)."""
+    (pkg/controller/v1alpha1/utils/utils.go 48-81 at v0.20.0; the same function at v0.15.2,
+    v0.16.0 and v0.19.0; v0.14.0 does the same inline, reconcilers/knative/ksvc_reconciler.go
+    createKnativeService 74-101): class `kpa.autoscaling.knative.dev` unless set, `target` =
+    scaleTarget, `metric` = scaleMetric, `min-scale` = minReplicas (1 when unset), `max-scale` =
+    maxReplicas unless 0 (unlimited); all of them the revision template's annotations, and
+    containerConcurrency its spec's (v0.20.0 ksvc_reconciler.go createKnativeService 88-110,
+    200-213; v0.14.0 176)."""
     predictor = isvc["spec"]["predictor"]
     dropped = disallowed_annotations(release)
     annotations = {k: v for k, v in (isvc["metadata"].get("annotations") or {}).items()
