@@ -118,7 +118,7 @@ clean:
 # below (cluster/go/jaeger-*), cached in the same folder.
 .PHONY: gateway-e2e-test trace-backend
 trace-backend:
-	nice -n 10 $(PYTHON) cluster/build.py jaeger
+	nice -n 10 $(PYTHON) cluster/build.py trace-backend
 gateway-e2e-test: install trace-backend
 	$(PY) -m pytest -q -m gateway_e2e tests/test_gateway_regions.py
 
@@ -135,7 +135,7 @@ scale-test: install
 # what is built already is skipped.
 .PHONY: control-plane cluster-test
 control-plane:
-	nice -n 10 $(PYTHON) cluster/build.py
+	nice -n 10 $(PYTHON) cluster/build.py control-plane
 
 # The manifests and `cubeserve rollout` against that control plane and KServe's own controller
 # (tests/test_cluster.py, marker `cluster`; not part of `make test`).

@@ -1,12 +1,19 @@
 #!/usr/bin/env python3
-"""Builds the Kubernetes control plane the cluster tests run (tests/test_cluster.py), from Go
-modules only: kube-apiserver, kube-controller-manager, kube-scheduler, etcd, KWOK and KServe's
-controller manager (one per KServe release kept), with the machine's Go.
+"""Builds the Go programs the end-to-end tests run, from Go modules only, with the machine's Go, in
+named groups, one per make target that builds one:
 
-    python3 cluster/build.py                 # everything (what `make control-plane` runs)
+    control-plane  kube-apiserver, kube-controller-manager, kube-scheduler, etcd, KWOK and KServe's
+                   controller manager (one per KServe release kept): `make control-plane`, which
+                   `make cluster-test` runs first (tests/test_cluster.py)
+    trace-backend  Jaeger v2: `make trace-backend`, which `make gateway-e2e-test` runs first
+
+    python3 cluster/build.py control-plane   # a group (no argument: control-plane)
     python3 cluster/build.py kubernetes kwok # some components; `kserve` is every KServe release,
                                              # `kserve-v0.15.2` one of them
-    python3 cluster/build.py --check         # exit 1 if anything is not built
+    python3 cluster/build.py --check trace-backend  # exit 1 if anything named is not built
+
+A test needing these programs asks `required(group)` what to check, so the tests, the check and the
+make targets share one definition of each group (tests/test_ci_targets.py holds the targets to it).
 
 Each component is a wrapper module in cluster/go/<name>-<version>/ (go.mod and go.sum pin every
 module; a `tool` line names each command). Binaries land in the cache folder
@@ -59,7 +66,7 @@ class Spec:
     commands: dict[str, str]  # binary name -> package
     ldflags: object = None  # version -> list of -X flags
     module: str = ""  # the module whose zip holds the assets / the patched file
-    on_demand: bool = False  # built only when named (not by a plain `make control-plane`)
+    group: str = "control-plane"  # the make target that builds it (GROUPS)
 
 
 SPECS = {
@@ -71,8 +78,10 @@ SPECS = {
     "kwok": Spec({"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, module="sigs.k8s.io/kwok"),
     "kserve": Spec({"manager": "github.com/kserve/kserve/cmd/manager"}, module="github.com/kserve/kserve"),
     # Not the control plane: the trace backend of the gateway's end-to-end tests (make trace-backend).
-    "jaeger": Spec({"jaeger": "github.com/jaegertracing/jaeger/cmd/jaeger"}, on_demand=True),
+    "jaeger": Spec({"jaeger": "github.com/jaegertracing/jaeger/cmd/jaeger"}, group="trace-backend"),
 }
+GROUPS = ("control-plane", "trace-backend")
+DEFAULT_GROUP = "control-plane"
 
 
 @dataclass(frozen=True)
@@ -325,20 +334,30 @@ def build(comp: Component, env: dict[str, str], say=print) -> dict:
     return result
 
 
+def required(group: str, kserve_release: str | None = None) -> list[Component]:
+    """The components of `group` (GROUPS); with `kserve_release`, that KServe release's manager only."""
+    if group not in GROUPS:
+        raise KeyError(f"no group {group!r}; groups: {', '.join(GROUPS)}")
+    return [c for c in components() if c.spec.group == group
+            and (c.name != "kserve" or kserve_release in (None, c.version))]
+
+
 def select(names: list[str]) -> list[Component]:
+    """Components by group, name or <name>-<version>; none named: the default group."""
     every = components()
-    if not names:
-        return [c for c in every if not c.spec.on_demand]
-    chosen = [c for c in every if c.name in names or c.key in names]
-    unknown = set(names) - {c.name for c in every} - {c.key for c in every}
+    names = names or [DEFAULT_GROUP]
+    chosen = [c for c in every if c.spec.group in names or c.name in names or c.key in names]
+    unknown = set(names) - set(GROUPS) - {c.name for c in every} - {c.key for c in every}
     if unknown:
-        raise SystemExit(f"unknown component(s) {sorted(unknown)}; known: {', '.join(c.key for c in every)}")
+        raise SystemExit(f"unknown component(s) {sorted(unknown)}; groups: {', '.join(GROUPS)}; "
+                         f"components: {', '.join(c.key for c in every)}")
     return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("components", nargs="*", help="kubernetes, etcd, kwok, kserve or NAME-VERSION (default: all)")
+    parser.add_argument("components", nargs="*", help=f"a group ({', '.join(GROUPS)}), a component (kubernetes, etcd, "
+                        f"kwok, kserve, jaeger) or NAME-VERSION (default: {DEFAULT_GROUP})")
     parser.add_argument("--check", action="store_true", help="build nothing; exit 1 if a component is not built")
     args = parser.parse_args(argv)
     env = go_env()

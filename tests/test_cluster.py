@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 import cluster_stack as cs
+import go_programs
 import kserve_standin
 from guards import cannot_run
 
@@ -56,8 +57,7 @@ KEDA_OVERLAYS = ("raw", "cpu", "experiment", "ab")
 @pytest.fixture(scope="module", params=RELEASES)
 def stack(request, tmp_path_factory):
     release = request.param
-    missing = [c.key for c in cs.build.components() if (c.name != "kserve" or c.version == release)
-               and not cs.build.is_built(c)]
+    missing = go_programs.not_built(go_programs.cluster_needs(release))
     if missing:
         cannot_run(f"the control plane is not built ({', '.join(missing)}): run `make control-plane`")
     if not cs.KUBECTL.exists():

@@ -11,31 +11,26 @@ stopped by its PID.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import go_programs
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.local_triton import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def binary() -> Path | None:
     """Jaeger's binary where `make trace-backend` built it, else None."""
-    spec = importlib.util.spec_from_file_location("cluster_build", REPO / "cluster" / "build.py")
-    build = sys.modules.get("cluster_build")
-    if build is None:
-        build = importlib.util.module_from_spec(spec)
-        sys.modules["cluster_build"] = build
-        spec.loader.exec_module(build)
-    comp = build.component("jaeger")
-    return comp.binary("jaeger") if build.is_built(comp) else None
+    needs = go_programs.traces_need()
+    if go_programs.not_built(needs):
+        return None
+    (jaeger,) = needs
+    return jaeger.binary("jaeger")
 
 
 CONFIG = """
@@ -86,7 +81,7 @@ class Jaeger:
     def start(self, timeout: float = 60.0) -> "Jaeger":
         path = binary()
         if path is None:
-            raise RuntimeError("Jaeger is not built: run `make trace-backend` (cluster/build.py jaeger)")
+            raise RuntimeError("Jaeger is not built: run `make trace-backend` (cluster/build.py trace-backend)")
         config = self.folder / "jaeger.yaml"
         config.write_text(CONFIG.format(**self.ports))
         self.log = open(self.folder / "jaeger.log", "wb")
