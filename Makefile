@@ -21,11 +21,11 @@ install: $(VENV)/.installed
 # builds and downloads. The cluster tests are `make cluster-test`.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale" --durations=30  # the slowest 30, to keep the suite within its time
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale and not soak" --durations=30  # the slowest 30, to keep the suite within its time
 
 # The inner loop: everything but the image build (tests/test_image.py, marker `image`).
 test-quick: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # tiny random demo weights are written into the version directories on first use.
@@ -128,6 +128,13 @@ gateway-e2e-test: install trace-backend
 .PHONY: scale-test
 scale-test: install
 	$(PY) -m pytest -q -m scale tests/test_autoscaling.py
+
+# The soak (marker `soak`; not part of `make test`): 16 clients through the predict model, REST and
+# gRPC, for SOAK_S seconds; fails on a lost or wrong answer or any python backend stub crash.
+SOAK_S ?= 600
+.PHONY: soak-test
+soak-test: install
+	CUBESERVE_SOAK_S=$(SOAK_S) $(PY) -m pytest -q -m soak tests/test_soak.py -s
 
 # A real Kubernetes control plane for the cluster tests, built from Go modules with the machine's Go
 # (docs/development.md, "Cluster tests"): kube-apiserver, -controller-manager, -scheduler, etcd, KWOK and KServe's

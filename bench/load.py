@@ -7,8 +7,12 @@ retry (busy: HTTP 503 / gRPC UNAVAILABLE) is counted and retried here, so it is 
 anything else that fails is lost. The server's resident memory (its whole process tree) is
 sampled during the run to catch leaks.
 
-    python -m bench.load --clients 64 --duration 600 [--max-objects 8] [--max-queue N]
-                         [--resolution 4] [--max-rss-growth-mb 64] [--json out.json] [--no-markdown]
+    python -m bench.load --clients 64 --duration 600 [--transports rest,grpc,grpc-stream]
+                         [--max-objects 8] [--max-queue N] [--resolution 4]
+                         [--max-rss-growth-mb 64] [--json out.json] [--no-markdown]
+
+`--transports rest,grpc` sends everything through the predict model `cube3d`, which forwards each
+request to `cube3d_stream` over BLS, as KServe's predict clients do (tests/test_soak.py).
 
 Exits non-zero when a request was lost or wrong, or when the server's memory grew past the bound.
 """
@@ -19,6 +23,7 @@ import argparse
 import datetime
 import io
 import json
+import os
 import random
 import re
 import sys
@@ -36,6 +41,7 @@ PROMPTS = ("a small ball", "a tall thin cylinder", "a round coffee table", "a hi
            "a big fat donut", "a large cube", "a small tall mug", "a flat disc", "a tall pointy cone",
            "a capsule lying on its side", "a little crate", "a big thin ring")
 TRANSPORTS = ("rest", "grpc", "grpc-stream")
+TRANSPORT_NAMES = {"rest": "REST predict", "grpc": "gRPC predict", "grpc-stream": "the gRPC stream"}
 RSS_SAMPLE_S = 10.0
 MESH_CHECK_EVERY = 8  # parse one mesh in 8 per client (and its first): parsing costs client CPU
 KEEP_MESSAGES = 5
@@ -210,7 +216,7 @@ def send(clients: dict, transport: str, request: dict, check_mesh: bool, stats: 
 
 
 def client_loop(index: int, server, requests: list[dict], end: float, stats: Stats,
-                iterations: int | None = None) -> None:
+                iterations: int | None = None, transports: tuple[str, ...] = TRANSPORTS) -> None:
     """One simulated user until `end` (or for `iterations` requests): requests and transports
     picked from (index, iteration), so a run is the same sequence of calls every time and every
     client soon uses every transport."""
@@ -225,7 +231,7 @@ def client_loop(index: int, server, requests: list[dict], end: float, stats: Sta
         while (time.monotonic() < end and iteration != iterations
                and server.process.poll() is None):  # stop if the server died
             request = requests[(7 * index + iteration) % len(requests)]
-            transport = TRANSPORTS[(index + iteration) % len(TRANSPORTS)]
+            transport = transports[(index + iteration) % len(transports)]
             send(clients, transport, request, iteration % MESH_CHECK_EVERY == 0, stats, rng)
             iteration += 1
     finally:
@@ -233,8 +239,9 @@ def client_loop(index: int, server, requests: list[dict], end: float, stats: Sta
             c.close()
 
 
-def run_clients(n: int, server, requests: list[dict], end: float, stats: Stats, iterations: int | None = None):
-    threads = [threading.Thread(target=client_loop, args=(i, server, requests, end, stats, iterations),
+def run_clients(n: int, server, requests: list[dict], end: float, stats: Stats, iterations: int | None = None,
+                transports: tuple[str, ...] = TRANSPORTS):
+    threads = [threading.Thread(target=client_loop, args=(i, server, requests, end, stats, iterations, transports),
                                 name=f"load-client-{i}") for i in range(n)]
     for t in threads:
         t.start()
@@ -246,20 +253,30 @@ def run_clients(n: int, server, requests: list[dict], end: float, stats: Stats, 
 
 def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None = None,
              max_queue: int | None = None, resolution: int = 4, max_rss_growth_mb: float = 64.0,
-             log_path: str | Path | None = None, write_markdown: bool = True, warm_up: bool = True) -> dict:
+             log_path: str | Path | None = None, write_markdown: bool = True, warm_up: bool = True,
+             transports: tuple[str, ...] = TRANSPORTS) -> dict:
     """Run the load test; returns its figures (see `failures` for the verdict). `warm_up=False`
-    skips the warm-up round (short tests: the memory baseline then includes the ramp-up)."""
+    skips the warm-up round (short tests: the memory baseline then includes the ramp-up).
+    `transports`: some of TRANSPORTS, taken in turn by each client."""
+    unknown = set(transports) - set(TRANSPORTS)
+    if unknown or not transports:
+        raise ValueError(f"transports: {sorted(unknown) or 'none given'}; allowed: {', '.join(TRANSPORTS)}")
     import torch
 
     from bench.common import hardware
-    from cubeserve.serving.local_triton import LocalTriton, free_port
+    from cubeserve.serving.local_triton import SERVER_LOGS_ENV, LocalTriton, free_port
     from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
 
     with tempfile.TemporaryDirectory(prefix="cube3d-load-") as tmp:
         repo = make_repository(Path(tmp), max_objects, max_queue)
         requests = known_requests(repo, resolution)
-        log_path = Path(log_path) if log_path else Path(tmp) / "tritonserver.log"
-        server = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log_path).start()
+        if log_path is None and not os.environ.get(SERVER_LOGS_ENV):
+            log_path = Path(tmp) / "tritonserver.log"
+        # else the test suite's folder of server logs keeps it, for its stub-crash count
+        # As in a container (the supervisor's --on-fault exit): a python backend stub that dies ends
+        # the server, and the run with it, so a crash is a failure, never requests hung on a dead stub.
+        server = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log_path, supervised=True,
+                             on_fault="exit", fault_grace=1.0).start()
         stubs = stub_processes(server.tritonserver_pid())  # to reap them if tritonserver dies (stop() then does not)
         sampler = RssSampler(server.process.pid)
         try:
@@ -267,18 +284,19 @@ def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None
             # rest, so that the memory baseline is taken with the server's pools (forwarding
             # threads, connections, buffers) already at the size this many clients need.
             warm = Stats()
-            run_clients(clients if warm_up else 0, server, requests, float("inf"), warm, iterations=1)
+            run_clients(clients if warm_up else 0, server, requests, float("inf"), warm, iterations=1,
+                        transports=transports)
             sampler.start()
             stats = Stats()
             start = time.monotonic()
-            run_clients(clients, server, requests, start + duration, stats)
+            run_clients(clients, server, requests, start + duration, stats, transports=transports)
             elapsed = time.monotonic() - start
             sampler.finish()
             server_exit = server.process.poll()  # None: still running, as it should be
         finally:
             server.stop()
             kill_leftover_stubs(stubs)
-        log = log_path.read_text(errors="replace")
+        log = server.log_path.read_text(errors="replace")
         engine_line = re.search(r"(\d+) objects in flight, max_queue (\d+)", log)
 
     def percentiles(values: list[float]) -> dict:
@@ -304,7 +322,7 @@ def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None
         "latency_s": percentiles([x for values in stats.latencies.values() for x in values]),
         "objects_per_s": round(stats.total("completed") / elapsed, 2),
         "transports": {t: {**{o: stats.count[t, o] for o in ("completed", "refused", "lost", "wrong")},
-                           "latency_s": percentiles(stats.latencies[t])} for t in TRANSPORTS},
+                           "latency_s": percentiles(stats.latencies[t])} for t in transports},
         "server_processes": sampler.processes,
         "server_exit_code": server_exit,
         "server_log_tail": log.splitlines()[-15:] if server_exit is not None else [],
@@ -366,8 +384,8 @@ def markdown_lines(figures: dict) -> list[str]:
         "## Load and soak (`make load`)",
         "",
         f"Measured {f['date']} on {f['hardware']}: the local Triton server with the demo model, "
-        f"{f['clients']} client threads for {f['duration_s']:g} s over REST predict, gRPC predict and the gRPC "
-        f"stream, {f['known_requests']} known greedy requests at resolution {f['resolution']}, every result "
+        f"{f['clients']} client threads for {f['duration_s']:g} s over {', '.join(TRANSPORT_NAMES[t] for t in f['transports'])}, "
+        f"{f['known_requests']} known greedy requests at resolution {f['resolution']}, every result "
         f"checked against the in-process tokens; max_objects {f['max_objects']}, max_queue {f['max_queue']}. "
         "Refused = busy answers (503 / UNAVAILABLE) retried by the client; latency counts from the first try.",
         "",
@@ -386,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=64, help="concurrent client threads")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (running requests finish)")
+    parser.add_argument("--transports", default=",".join(TRANSPORTS),
+                        help=f"comma-separated, taken in turn by each client (default: {','.join(TRANSPORTS)}); "
+                             "rest and grpc go through the predict model cube3d")
     parser.add_argument("--max-objects", type=int, help="cube3d_stream max_objects (default: as shipped)")
     parser.add_argument("--max-queue", type=int, help="cube3d_stream max_queue (default: as shipped)")
     parser.add_argument("--resolution", type=int, default=4, help="geometry resolution of every request")
@@ -395,8 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--no-markdown", action="store_true", help="do not write BENCHMARKS.md's load section")
     args = parser.parse_args(argv)
-    figures = run_load(args.clients, args.duration, args.max_objects, args.max_queue, args.resolution,
-                       args.max_rss_growth_mb, log_path=args.log, write_markdown=not args.no_markdown)
+    try:
+        transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+        figures = run_load(args.clients, args.duration, args.max_objects, args.max_queue, args.resolution,
+                           args.max_rss_growth_mb, log_path=args.log, write_markdown=not args.no_markdown,
+                           transports=transports)
+    except ValueError as exc:
+        parser.error(str(exc))
     print("\n".join(summary_lines(figures)))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

@@ -23,6 +23,7 @@ END_TO_END = {
     "cluster": ("cluster-test", lambda: [c for r in build.kserve_releases() for c in go_programs.cluster_needs(r)]),
     "gateway_e2e": ("gateway-e2e-test", go_programs.traces_need),
     "scale": ("scale-test", lambda: []),
+    "soak": ("soak-test", lambda: []),
 }
 
 

@@ -81,15 +81,35 @@ class Drain:
             locked(lambda: self.gauge.set(self._count))  # in order: still under self._lock
 
 
+def only_requested(response, requested: frozenset[str]):
+    """`response` without the outputs the request did not ask for, dropped here, in Python.
+
+    python_backend r24.10's ResponseSender.send drops them itself (InferResponse::
+    PruneOutputTensors, src/response_sender.cc) after it has released the GIL: the dropped
+    tensor's numpy array is freed by a thread without the GIL, against the other threads of the
+    stub, which corrupts Python's small-object allocator; the stub segfaulted in libpython
+    minutes later under sustained load (issue 56: the predict model's forwards ask for every output
+    but PROGRESS). Upstream holds the GIL there from r24.12 (python_backend#390)."""
+    if response is None or response.has_error():
+        return response
+    tensors = response.output_tensors()
+    wanted = [t for t in tensors if t.name() in requested]
+    if len(wanted) == len(tensors):
+        return response
+    return pb_utils.InferenceResponse(output_tensors=wanted)
+
+
 class Reply:
     """A request's response sender, answered once (later answers are dropped), whose client is
     asked about only until then: once the final response is out, Triton frees the request, and
     request.is_cancelled() on it crashes the server (in TRITONBACKEND_ResponseFactoryIsCancelled).
-    So asking and the final answer never overlap."""
+    So asking and the final answer never overlap. Every response carries only the outputs the
+    request asked for (`only_requested` says why): a client that names none gets every output."""
 
     def __init__(self, request, drain: Drain | None = None):
         self.request = request
         self._sender = request.get_response_sender()
+        self._requested = frozenset(request.requested_output_names())
         self._lock = threading.Lock()
         self._answered = False
         self._drain = drain  # counted in progress until the final answer
@@ -103,7 +123,7 @@ class Reply:
                 return False
             self._answered = final
             try:
-                self._sender.send(response, flags=FINAL if final else 0)
+                self._sender.send(only_requested(response, self._requested), flags=FINAL if final else 0)
             finally:
                 if final:
                     if self._drain is not None:
