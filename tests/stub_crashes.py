@@ -21,7 +21,8 @@ invalid pointer"), which is the server's log. So:
   tritonserver did not end cleanly (tests that break a server on purpose: its stubs lose their
   shared memory under them, or a forward blocked on a killed engine wakes after its stub's
   memory is gone), or was killed by LocalTriton.stop after its timeout (which says so in the log). A stub that crashes while its server runs (an unload), or whose
-  server stops and exits cleanly, always counts.
+  server stops and exits cleanly, always counts, and so does one whose death made the supervisor
+  stop its server (its log says so: the crash came first).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ SERVER_END = re.compile(_WHEN + r"tritonserver \(pid (\d+)\) ended with (signal 
 SERVER_KILLED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) cubeserve local server: "
                            r"tritonserver \(pid (\d+)\) killed")
 SERVER_STOP = re.compile(_WHEN + r"stopping tritonserver \(pid (\d+)\)")
+# A stub the supervisor saw die while its server ran (and stopped the server for it): its crash came
+# first, whatever the times say, and always counts.
+STUB_DIED = re.compile(_WHEN + r"the python backend stub of (.+?) died while Triton reports it READY "
+                       r"\(tritonserver pid (\d+)\)")
 # The supervisor writes both lines within its poll (0.5 s) of the event: a crash this much before
 # a line still counts as after the event.
 MARGIN_S = 1.0
@@ -103,7 +108,7 @@ def finish(session) -> None:
     if "folder" not in _state:
         return
     folder = _state["folder"]
-    stubs, by_code, ending, aborts, logs = {}, {}, {}, [], set()
+    stubs, by_code, ending, aborts, logs, died = {}, {}, {}, [], set(), set()
     for entry in sorted(folder.iterdir()):
         log = entry.resolve()
         if log in logs or not log.is_file():
@@ -113,6 +118,7 @@ def finish(session) -> None:
         for _, pid, model, version, server, code in STUB_LINE.findall(text):
             stubs[int(pid)] = stub = (int(pid), f"{model} version {version}", int(server), log)
             by_code.update({int(start, 16): stub for start in re.findall(r"code at ([0-9a-f]+)", code)})
+        died |= {(int(server), what) for _, names, server in STUB_DIED.findall(text) for what in names.split(", ")}
         stopping = {int(server): _wall(logged) for logged, server in reversed(SERVER_STOP.findall(text))}
         ends = SERVER_END.findall(text) + [(logged, server, "killed") for logged, server in SERVER_KILLED.findall(text)]
         for logged, server, how in ends:
@@ -129,7 +135,8 @@ def finish(session) -> None:
         if stub:
             pid, what, server, log = stub
             line = f"stub {pid} ({what}, tritonserver {server}, log {log}): {message}"
-            (orphans if server in ending and boot + since_boot >= ending[server] else crashes).append(line)
+            after_the_stop = server in ending and boot + since_boot >= ending[server] and (server, what) not in died
+            (orphans if after_the_stop else crashes).append(line)
         elif match:
             elsewhere += 1
     _state.update(crashes=crashes + aborts, orphans=orphans, stubs=len(stubs), logs=len(logs), elsewhere=elsewhere,

@@ -26,7 +26,7 @@ from cubeserve.serving.stubs import python_stubs
 
 DROPS = 8  # unrequested outputs in every response
 RESPONSES = 50  # per request
-REQUESTS = 120  # 6,000 responses, 48,000 dropped tensors
+REQUESTS = 240  # 12,000 responses, 96,000 dropped tensors
 MODEL = "prune"
 
 CONFIG = """

@@ -165,7 +165,9 @@ def front_limits(open_files: int, connections: int | None = None, idle_s: float 
 def _code_at(pid: int) -> str:
     """Where a stub's code is mapped. A stub's crash is in no log but the kernel's, which names the
     faulting thread's id (not always the stub's pid) and the code's mapping: "triton_python_b[TID]:
-    segfault at ... in libc.so.6[8c370,7fed9ca44000+156000]"; these name the stub it was."""
+    segfault at ... in libc.so.6[8c370,7fed9ca44000+156000]"; these name the stub it was. Its
+    executable, libc and libpython: a heap or allocator corruption faults in one of them (issue 56's
+    in libpython, on a thread of the stub's Python)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
             maps = f.read().splitlines()
@@ -175,8 +177,8 @@ def _code_at(pid: int) -> str:
     for line in maps:
         fields = line.split()
         name = os.path.basename(fields[5]) if len(fields) > 5 else ""
-        if fields[1].startswith("r-x") and (name == "triton_python_backend_stub" or name.startswith("libc.so")
-                                            or name.startswith("libc-")):
+        if fields[1].startswith("r-x") and (name == "triton_python_backend_stub"
+                                            or name.startswith(("libc.so", "libc-", "libpython"))):
             found.setdefault(name, fields[0].split("-")[0])
     return "".join(f"; {name} code at {start}" for name, start in sorted(found.items()))
 
@@ -346,8 +348,8 @@ class Supervisor:
                     last_error = now
             if dead and self.on_fault != "none":
                 names = ", ".join(f"{m} version {v}" for m, v in sorted(dead))
-                log.error("the python backend stub of %s died while Triton reports it READY; stopping "
-                          "tritonserver (readiness now fails)", names)
+                log.error("the python backend stub of %s died while Triton reports it READY (tritonserver pid "
+                          "%d); stopping tritonserver (readiness now fails)", names, self.child.pid)
                 self._terminate()
                 return FAULT_EXIT_CODE, f"the stub of {names} died"
             time.sleep(self.poll_s)
