@@ -377,6 +377,10 @@ def summary_lines(figures: dict) -> list[str]:
     return lines
 
 
+def _listed(words: list[str]) -> str:
+    return " and ".join(filter(None, [", ".join(words[:-1]), words[-1]]))
+
+
 def markdown_lines(figures: dict) -> list[str]:
     f, lat, rss = figures, figures["latency_s"], figures["rss_mb"]
     per = ", ".join(f"{t} {c['completed']}" for t, c in f["transports"].items())
@@ -384,7 +388,7 @@ def markdown_lines(figures: dict) -> list[str]:
         "## Load and soak (`make load`)",
         "",
         f"Measured {f['date']} on {f['hardware']}: the local Triton server with the demo model, "
-        f"{f['clients']} client threads for {f['duration_s']:g} s over {', '.join(TRANSPORT_NAMES[t] for t in f['transports'])}, "
+        f"{f['clients']} client threads for {f['duration_s']:g} s over {_listed([TRANSPORT_NAMES[t] for t in f['transports']])}, "
         f"{f['known_requests']} known greedy requests at resolution {f['resolution']}, every result "
         f"checked against the in-process tokens; max_objects {f['max_objects']}, max_queue {f['max_queue']}. "
         "Refused = busy answers (503 / UNAVAILABLE) retried by the client; latency counts from the first try.",
