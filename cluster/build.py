@@ -80,7 +80,7 @@ SPECS = {
     # Not the control plane: the trace backend of the gateway's end-to-end tests (make trace-backend).
     "jaeger": Spec({"jaeger": "github.com/jaegertracing/jaeger/cmd/jaeger"}, group="trace-backend"),
 }
-GROUPS = ("control-plane", "trace-backend")
+GROUPS = tuple(dict.fromkeys(spec.group for spec in SPECS.values()))  # control-plane, trace-backend
 DEFAULT_GROUP = "control-plane"
 
 

@@ -23,7 +23,6 @@ from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.local_triton import free_port
 
 
-
 def binary() -> Path | None:
     """Jaeger's binary where `make trace-backend` built it, else None."""
     needs = go_programs.traces_need()
