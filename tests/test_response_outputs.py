@@ -99,7 +99,7 @@ def test_a_client_asking_for_fewer_outputs_gets_only_those_and_the_stub_survives
 
     (stub,) = python_stubs(server.tritonserver_pid())
     answers: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.triton_grpc_port}")
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # the supervisor's gRPC front end, as clients reach it
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
         inputs = [grpcclient.InferInput("N", [1], "INT32")]
