@@ -387,8 +387,13 @@ def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path, mon
                 with Cube3DClient(f"127.0.0.1:{server.grpc_port}", "grpc", trace=True, retries=0) as client:
                     client.generate("a round table", seed=0, resolution=4)
                 grpc_services = services - {"cube-serve-gateway"}
-                wait_until(lambda: grpc_services <= {s["service"] for s in jaeger.trace(client.trace_id)} and "geometry" in
-                           {s["operationName"] for s in jaeger.trace(client.trace_id)}, 30, "the gRPC request's spans")
+                try:
+                    wait_until(lambda: grpc_services <= {s["service"] for s in jaeger.trace(client.trace_id)} and "geometry" in
+                               {s["operationName"] for s in jaeger.trace(client.trace_id)}, 30, "the gRPC request's spans")
+                except AssertionError as exc:
+                    found = sorted({(s["service"], s["operationName"]) for s in jaeger.trace(client.trace_id)})
+                    raise AssertionError(f"{exc}; wanted the services {sorted(grpc_services)} and a geometry "
+                                         f"span; found {found}") from None
                 grpc_spans = jaeger.trace(client.trace_id)
             finally:
                 region.stop()
