@@ -6,6 +6,9 @@ named groups, one per make target that builds one:
                    controller manager (one per KServe release kept): `make control-plane`, which
                    `make cluster-test` runs first (tests/test_cluster.py)
     trace-backend  Jaeger v2: `make trace-backend`, which `make gateway-e2e-test` runs first
+    node           a real node: kubelet and kube-proxy, containerd (with its runc shim and ctr), runc
+                   and the CNI plugins: `make node`, which `make node-test` runs first
+                   (tests/test_node.py)
 
     python3 cluster/build.py control-plane   # a group (no argument: control-plane)
     python3 cluster/build.py kubernetes kwok # some components; `kserve` is every KServe release,
@@ -62,12 +65,35 @@ def _k8s_ldflags(version: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Patch:
+    """One edit to a module's sources before the build: `old` must occur exactly once in `path`."""
+    path: str  # relative to the module's root
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
 class Spec:
     commands: dict[str, str]  # binary name -> package
     ldflags: object = None  # version -> list of -X flags
-    module: str = ""  # the module whose zip holds the assets / the patched file
+    module: str = ""  # the module whose zip holds the assets / the patched files
     group: str = "control-plane"  # the make target that builds it (GROUPS)
+    wrapper: str = ""  # the wrapper it builds from when it is another component's (default: its own name)
+    patches: tuple[Patch, ...] = ()  # edits to `module`'s sources (built from a patched copy)
+    tags: tuple[str, ...] = ()  # build tags; any tag here means cgo (runc's seccomp)
 
+
+# KServe's manager binds its webhook server to every interface (cmd/manager/main.go passes only a
+# port to webhook.NewServer); the stack binds nothing but 127.0.0.1.
+_WEBHOOK_SERVER = "webhook.NewServer(webhook.Options{"
+_KSERVE_LOOPBACK = Patch("cmd/manager/main.go", _WEBHOOK_SERVER,
+                         _WEBHOOK_SERVER + '\n\t\t\tHost: "127.0.0.1", // cube-serve: loopback only')
+# The kubelet sets vm.overcommit_memory, kernel.panic, kernel.panic_on_oops and more for the whole
+# machine (pkg/kubelet/cm/container_manager_linux.go, setupKernelTunables), or with
+# protectKernelDefaults refuses to start where they differ. A test node must leave the machine's
+# kernel settings alone: this kubelet only logs the difference (KernelTunableWarn).
+_KUBELET_KEEPS_SYSCTLS = Patch("pkg/kubelet/cm/container_manager_linux.go", "b := KernelTunableModify",
+                               "b := KernelTunableWarn // cube-serve: never rewrite the machine's kernel settings")
 
 SPECS = {
     "kubernetes": Spec({"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
@@ -76,9 +102,25 @@ SPECS = {
     "etcd": Spec({"etcd": "go.etcd.io/etcd/server/v3"},
                  lambda v: [f"-X go.etcd.io/etcd/api/v3/version.GitSHA={v}"]),
     "kwok": Spec({"kwok": "sigs.k8s.io/kwok/cmd/kwok"}, module="sigs.k8s.io/kwok"),
-    "kserve": Spec({"manager": "github.com/kserve/kserve/cmd/manager"}, module="github.com/kserve/kserve"),
+    "kserve": Spec({"manager": "github.com/kserve/kserve/cmd/manager"}, module="github.com/kserve/kserve",
+                   patches=(_KSERVE_LOOPBACK,)),
     # Not the control plane: the trace backend of the gateway's end-to-end tests (make trace-backend).
     "jaeger": Spec({"jaeger": "github.com/jaegertracing/jaeger/cmd/jaeger"}, group="trace-backend"),
+    # The real node (make node): the same k8s.io/kubernetes as the control plane, patched.
+    "kubernetes-node": Spec({"kubelet": "k8s.io/kubernetes/cmd/kubelet", "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy"},
+                            _k8s_ldflags, module="k8s.io/kubernetes", group="node", wrapper="kubernetes",
+                            patches=(_KUBELET_KEEPS_SYSCTLS,)),
+    "containerd": Spec({"containerd": "github.com/containerd/containerd/v2/cmd/containerd",
+                        "containerd-shim-runc-v2": "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2",
+                        "ctr": "github.com/containerd/containerd/v2/cmd/ctr"},
+                       lambda v: [f"-X github.com/containerd/containerd/v2/version.Version={v}"], group="node"),
+    # runc's own Makefile builds with cgo and the tags "seccomp urfave_cli_no_docs libpathrs";
+    # libpathrs is a Rust library no package here provides (runc falls back to its Go pathrs-lite).
+    "runc": Spec({"runc": "github.com/opencontainers/runc"}, group="node", tags=("seccomp", "urfave_cli_no_docs")),
+    "cni-plugins": Spec({plugin.rpartition("/")[2]: f"github.com/containernetworking/plugins/plugins/{plugin}"
+                         for plugin in ("main/bridge", "ipam/host-local", "main/loopback", "meta/portmap")},
+                        lambda v: [f"-X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion={v}"],
+                        group="node"),
 }
 GROUPS = tuple(dict.fromkeys(spec.group for spec in SPECS.values()))  # control-plane, trace-backend
 DEFAULT_GROUP = "control-plane"
@@ -86,7 +128,7 @@ DEFAULT_GROUP = "control-plane"
 
 @dataclass(frozen=True)
 class Component:
-    name: str  # kubernetes, etcd, kwok, kserve
+    name: str  # a key of SPECS: kubernetes, etcd, kwok, kserve, ...
     version: str  # v1.36.3, ...
 
     @property
@@ -95,7 +137,7 @@ class Component:
 
     @property
     def wrapper(self) -> Path:
-        return WRAPPERS / self.key
+        return WRAPPERS / f"{self.spec.wrapper or self.name}-{self.version}"
 
     @property
     def spec(self) -> Spec:
@@ -121,13 +163,14 @@ def cache_root() -> Path:
 
 
 def components() -> list[Component]:
-    """Every wrapper in cluster/go/, as <name>-<version> (KServe: one per release kept)."""
+    """What the wrappers in cluster/go/ build, as <name>-<version> (KServe: one per release kept; the
+    kubernetes wrapper: the control plane and the node)."""
     found = []
     for path in sorted(WRAPPERS.glob("*/go.mod")):
-        name, _, version = path.parent.name.rpartition("-v")
-        if name not in SPECS:
-            raise SystemExit(f"{path.parent}: no build spec for {name!r} in cluster/build.py")
-        found.append(Component(name, "v" + version))
+        wrapper, _, version = path.parent.name.rpartition("-v")
+        if wrapper not in SPECS:
+            raise SystemExit(f"{path.parent}: no build spec for {wrapper!r} in cluster/build.py")
+        found += [Component(name, "v" + version) for name, spec in SPECS.items() if (spec.wrapper or name) == wrapper]
     return found
 
 
@@ -153,7 +196,7 @@ def go_env(jobs: int | None = None) -> dict[str, str]:
     # The machine's Go (docs/development.md: Go is a test dependency); a wrapper needing a newer one fails
     # with Go's own message instead of fetching a toolchain.
     env.setdefault("GOTOOLCHAIN", "local")
-    env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed
+    env["CGO_ENABLED"] = "0"  # static binaries, no C toolchain needed (but for a Spec with tags)
     jobs = jobs or int(os.environ.get(JOBS_ENV) or 2)
     # -mod=readonly: go.mod and go.sum are the pins; a build never edits them.
     env["GOFLAGS"] = f"-p={jobs} -trimpath -buildvcs=false -mod=readonly"
@@ -172,7 +215,8 @@ def _stamp(comp: Component, env: dict[str, str]) -> str:
         digest.update(path.read_bytes() if path.exists() else b"")
     spec = comp.spec
     digest.update(json.dumps([BUILD_FORMAT, go_version(env), spec.commands,
-                              spec.ldflags(comp.version) if spec.ldflags else []]).encode())
+                              spec.ldflags(comp.version) if spec.ldflags else [], spec.tags,
+                              [[p.path, p.old, p.new] for p in spec.patches]]).encode())
     return digest.hexdigest()
 
 
@@ -246,31 +290,27 @@ def _module_dir(comp: Component, env: dict[str, str]) -> Path:
     return Path(json.loads(out)["Dir"])
 
 
-# KServe's manager binds its webhook server to every interface (cmd/manager/main.go passes only a
-# port to webhook.NewServer). The stack binds nothing but 127.0.0.1, so the manager is built from
-# a copy of KServe's Go sources with one line added, Host 127.0.0.1, through a replace line in a
-# copy of the wrapper's go.mod (-modfile; `go build -overlay` may not replace files in the module
-# cache). Nothing else in KServe changes; its dependencies are the wrapper's.
-_WEBHOOK_SERVER = "webhook.NewServer(webhook.Options{"
-
-
-def _kserve_loopback_modfile(comp: Component, module: Path) -> Path:
+def _patched_modfile(comp: Component, module: Path) -> Path:
+    """A copy of the wrapper's go.mod (for -modfile) that replaces comp.spec.module with a copy of its
+    Go sources carrying comp.spec.patches. `go build -overlay` may not replace files in the module
+    cache, hence the copy; its dependencies stay the wrapper's."""
     source = comp.home / "src"
     for path in module.rglob("*.go"):
-        relative = path.relative_to(module)
-        if relative.parts[0] in ("cmd", "pkg") and not path.name.endswith("_test.go"):
-            (source / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, source / relative)
+        if not path.name.endswith("_test.go") and "testdata" not in path.parts:
+            target = source / path.relative_to(module)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)  # not copy(): the module cache's files are read-only
     for name in ("go.mod", "LICENSE"):
         shutil.copyfile(module / name, source / name)
-    main = source / "cmd" / "manager" / "main.go"
-    text = main.read_text()
-    if text.count(_WEBHOOK_SERVER) != 1:
-        raise SystemExit(f"{main}: expected one {_WEBHOOK_SERVER!r} to bind the webhook server to 127.0.0.1")
-    main.write_text(text.replace(_WEBHOOK_SERVER, _WEBHOOK_SERVER + '\n\t\t\tHost: "127.0.0.1", // cube-serve: loopback only'))
+    for patch in comp.spec.patches:
+        path = source / patch.path
+        text = path.read_text()
+        if text.count(patch.old) != 1:
+            raise SystemExit(f"{path}: expected {patch.old!r} once, to patch it ({comp.key})")
+        path.write_text(text.replace(patch.old, patch.new))
     modfile = comp.home / "go.mod"
     modfile.write_text((comp.wrapper / "go.mod").read_text() +
-                       f"\n// cluster/build.py: KServe's sources with the webhook server on 127.0.0.1\n"
+                       f"\n// cluster/build.py: {comp.spec.module}'s sources with the patches of SPECS[{comp.name!r}]\n"
                        f"replace {comp.spec.module} => {source}\n")
     shutil.copyfile(comp.wrapper / "go.sum", comp.home / "go.sum")
     return modfile
@@ -297,6 +337,13 @@ def _kserve_assets(comp: Component, module: Path) -> None:
     shutil.copyfile(module / "config" / "webhook" / "manifests.yaml", comp.share / "webhook-manifests.yaml")
 
 
+def _cgo_env(comp: Component, env: dict[str, str]) -> dict[str, str]:
+    # runc's seccomp tag links libseccomp (Debian: libseccomp-dev at build time, libseccomp2 to run).
+    if "seccomp" in comp.spec.tags and subprocess.run(["pkg-config", "--exists", "libseccomp"]).returncode:
+        raise SystemExit(f"{comp.key}: libseccomp's headers are missing (Debian: apt-get install libseccomp-dev)")
+    return {**env, "CGO_ENABLED": "1"}
+
+
 def build(comp: Component, env: dict[str, str], say=print) -> dict:
     """Builds one component (skipped when built); returns what was measured."""
     if is_built(comp, env):
@@ -313,8 +360,11 @@ def build(comp: Component, env: dict[str, str], say=print) -> dict:
     download_s, download_mib = _run(["go", "mod", "download"], comp.wrapper, env, log)
     args = ["go", "build", "-ldflags", " ".join(["-s", "-w", *(comp.spec.ldflags(comp.version) if comp.spec.ldflags else [])])]
     module = _module_dir(comp, env) if comp.spec.module else None
-    if comp.name == "kserve":
-        args.append(f"-modfile={_kserve_loopback_modfile(comp, module)}")
+    if comp.spec.patches:
+        args.append(f"-modfile={_patched_modfile(comp, module)}")
+    if comp.spec.tags:
+        env = _cgo_env(comp, env)
+        args.append(f"-tags={','.join(comp.spec.tags)}")
     if comp.name == "kwok":
         _kwok_assets(comp, module)
     if comp.name == "kserve":
@@ -356,8 +406,8 @@ def select(names: list[str]) -> list[Component]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("components", nargs="*", help=f"a group ({', '.join(GROUPS)}), a component (kubernetes, etcd, "
-                        f"kwok, kserve, jaeger) or NAME-VERSION (default: {DEFAULT_GROUP})")
+    parser.add_argument("components", nargs="*", help=f"a group ({', '.join(GROUPS)}), a component "
+                        f"({', '.join(SPECS)}) or NAME-VERSION (default: {DEFAULT_GROUP})")
     parser.add_argument("--check", action="store_true", help="build nothing; exit 1 if a component is not built")
     args = parser.parse_args(argv)
     env = go_env()
