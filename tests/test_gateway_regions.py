@@ -393,7 +393,8 @@ def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path, mon
                 except AssertionError as exc:
                     found = sorted({(s["service"], s["operationName"]) for s in jaeger.trace(client.trace_id)})
                     raise AssertionError(f"{exc}; wanted the services {sorted(grpc_services)} and a geometry "
-                                         f"span; found {found}") from None
+                                         f"span; found {found}; server log: {server._log_tail()}; Jaeger's log: "
+                                         f"{jaeger.log_tail()}") from None
                 grpc_spans = jaeger.trace(client.trace_id)
             finally:
                 region.stop()

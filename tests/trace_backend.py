@@ -91,13 +91,17 @@ class Jaeger:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"jaeger exited with {self.process.returncode}: "
-                                   + (self.folder / "jaeger.log").read_text()[-2000:])
+                                   + self.log_tail())
             try:
                 urllib.request.urlopen(self.query_url + "/api/services", timeout=2).read()
                 return self
             except OSError:
                 time.sleep(0.2)
-        raise RuntimeError("jaeger was not ready in time: " + (self.folder / "jaeger.log").read_text()[-2000:])
+        raise RuntimeError("jaeger was not ready in time: " + self.log_tail())
+
+    def log_tail(self, chars: int = 2000) -> str:
+        path = self.folder / "jaeger.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def trace(self, trace_id: str) -> list[dict]:
         """The trace's spans as stored (none yet: []), each with its service name."""
