@@ -21,11 +21,11 @@ install: $(VENV)/.installed
 # builds and downloads. The cluster tests are `make cluster-test`.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale and not soak" --durations=30  # the slowest 30, to keep the suite within its time
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale and not soak and not node" --durations=30  # the slowest 30, to keep the suite within its time
 
 # The inner loop: everything but the image build (tests/test_image.py, marker `image`).
 test-quick: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak and not node"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # tiny random demo weights are written into the version directories on first use.
@@ -148,3 +148,16 @@ control-plane:
 # (tests/test_cluster.py, marker `cluster`; not part of `make test`).
 cluster-test: install control-plane
 	$(PY) -m pytest -q -m cluster tests/test_cluster.py --durations=10
+
+# A real node (docs/development.md, "Node tests"): kubelet and kube-proxy (k8s.io/kubernetes, with a
+# patch that leaves the machine's kernel settings alone), containerd, runc (cgo and libseccomp:
+# Debian's libseccomp-dev) and the CNI plugins, built like the control plane into the same cache.
+.PHONY: node node-test
+node: control-plane
+	nice -n 10 $(PYTHON) cluster/build.py node
+
+# The runtime image as the pods KServe creates, on that node (tests/test_node.py, marker `node`; not
+# part of `make test`): the whole run in a network and mount namespace of its own (tests/netns.py),
+# as root.
+node-test: install node
+	$(PYTHON) tests/netns.py -- $(PY) -m pytest -q -m node tests/test_node.py --durations=10

@@ -214,8 +214,9 @@ class StackError(RuntimeError):
 class Stack:
     """One control plane with KServe `kserve_release`'s manager, its state under `root`."""
 
-    def __init__(self, kserve_release: str, root: Path, say: Callable[[str], None] = lambda line: None):
-        self.release, self.root, self.say = kserve_release, root, say
+    def __init__(self, kserve_release: str, root: Path, say: Callable[[str], None] = lambda line: None,
+                 fake_nodes: bool = True):
+        self.release, self.root, self.say, self.fake_nodes = kserve_release, root, say, fake_nodes
         self.logs = root / "logs"
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.timings: dict[str, float] = {}
@@ -355,7 +356,8 @@ class Stack:
         self.pki = PKI(self.root / "pki")
         self._control_plane()
         self.timings["control plane"] = time.monotonic() - t0
-        self._nodes()
+        if self.fake_nodes:
+            self._nodes()
         self._crds()
         self._kserve()
         self.timings["ready"] = time.monotonic() - t0
@@ -404,7 +406,9 @@ class Stack:
             self._start(name, args)
         kwok = build.component("kwok")
         self._start("kwok", [self._binary("kwok", "kwok"), f"--kubeconfig={self.kubeconfig}",
-                             f"--config={kwok.share / 'stages.yaml'}", "--manage-all-nodes=true",
+                             # Only the fake nodes: a real node (tests/node_stack.py) runs its own kubelet.
+                             f"--config={kwok.share / 'stages.yaml'}",
+                             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                              f"--cidr={POD_RANGE}", f"--node-ip={NODE_IP}",
                              f"--server-address=127.0.0.1:{ports['kwok']}", "--node-lease-duration-seconds=40"])
         self._wait("kube-controller-manager", lambda: self._get(

@@ -37,3 +37,8 @@ def traces_need() -> list:
 def not_built(components: list) -> list[str]:
     env = build.go_env()
     return [c.key for c in components if not build.is_built(c, env)]
+
+
+def node_needs(kserve_release: str) -> list:
+    """tests/test_node.py's stack and its real node (`make node-test`)."""
+    return build.required("control-plane", kserve_release) + build.required("node")

@@ -168,6 +168,46 @@ def ensure_base(workdir: Path) -> str:
     return BASE_TAG
 
 
+# The node tests run the image (tests/test_node.py): there the base must also serve. This one adds
+# to BASE_TAG the Triton the tests run (the nvidia-pytriton wheel's tritonserver and python backend,
+# this Python's stub beside it, libpython for the stub) where Triton's image has its own:
+# `tritonserver` on PATH and /opt/tritonserver/backends, Triton's default backend directory.
+TRITON_BASE_TAG = "localhost/cube-serve-test-base:bookworm-triton"
+TRITON_BASE_LABEL = "io.cube-serve.test-triton-base-recipe"
+_TRITON_BASE = """FROM {base}
+RUN apt-get update -qq && version=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])') \\
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "libpython$version" \\
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m pip install --no-cache-dir --no-deps --break-system-packages "nvidia-pytriton=={pytriton}" \\
+    && home=$(python3 -c 'import importlib.util as u; print(u.find_spec("pytriton").submodule_search_locations[0])')/tritonserver \\
+    && version=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])') \\
+    && cp "$home/python_backend_stubs/$version/triton_python_backend_stub" "$home/backends/python/" \\
+    && mkdir -p /opt/tritonserver && ln -s "$home/backends" /opt/tritonserver/backends \\
+    && ln -s "$home/bin/tritonserver" /usr/local/bin/tritonserver
+LABEL {label}="nvidia-pytriton=={pytriton}"
+"""
+
+
+def ensure_triton_base(workdir: Path) -> str:
+    """TRITON_BASE_TAG on BASE_TAG, made once and reused while it carries the tests' nvidia-pytriton."""
+    from importlib.metadata import version
+
+    pytriton = version("nvidia-pytriton")
+    if image_exists(TRITON_BASE_TAG) and f"nvidia-pytriton=={pytriton}" in podman(
+            "image", "inspect", "--format", "{{json .Labels}}", TRITON_BASE_TAG).stdout:
+        return TRITON_BASE_TAG
+    base = ensure_base(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "Containerfile").write_text(_TRITON_BASE.format(base=base, pytriton=pytriton, label=TRITON_BASE_LABEL))
+    conf, mounts = pip_conf_and_mounts(host_pip_config())
+    (workdir / "pip.conf").write_text(conf)
+    volumes = [f"--volume={workdir / 'pip.conf'}:/etc/pip.conf:ro", *(f"--volume={p}:{p}:ro" for p in mounts)]
+    out = subprocess.run(["podman", "build", *BUILD_FLAGS, *volumes, "-f", str(workdir / "Containerfile"),
+                          "-t", TRITON_BASE_TAG, str(workdir)], capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, f"the Triton base did not build:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+    return TRITON_BASE_TAG
+
+
 # -- the host's pip settings ----------------------------------------------------------------------------
 
 def host_pip_config() -> dict[str, dict[str, str]]:

@@ -24,6 +24,7 @@ END_TO_END = {
     "gateway_e2e": ("gateway-e2e-test", go_programs.traces_need),
     "scale": ("scale-test", lambda: []),
     "soak": ("soak-test", lambda: []),
+    "node": ("node-test", lambda: go_programs.node_needs(build.kserve_releases()[0])),
 }
 
 
