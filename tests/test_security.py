@@ -526,6 +526,47 @@ def test_the_documented_parameters_still_pass(server):
     assert status == 200 and json.loads(reply)["outputs"][0]["data"][0] > 0, reply
 
 
+# Top-level keys of a generate request that are not the model's inputs: Triton makes each a
+# request parameter, so they meet the rules of `parameters` (shared memory, the engine's and the
+# gateway's own, classification, anything undocumented, an output's name).
+GENERATE_KEYS = [("shared_memory_region", "attack"), ("shared_memory_offset", 0), ("shared_memory_byte_size", 64),
+                 ("cube3d_forwarded", True), ("X-Cube3D-Tenant", "team-b"), ("classification", 2),
+                 ("request_tag", 7), ("MESH", "x")]
+
+
+def _inference_count(server) -> int:
+    """Requests the models have started, successful or not (Triton's statistics, admin key)."""
+    status, reply = call(server.http_url, "/v2/models/stats", headers=server.admin_headers)
+    assert status == 200, reply
+    return sum(s["inference_stats"]["success"]["count"] + s["inference_stats"]["fail"]["count"]
+               for s in json.loads(reply)["model_stats"])
+
+
+@pytest.mark.parametrize("name, value", GENERATE_KEYS, ids=[n for n, _ in GENERATE_KEYS])
+def test_generates_top_level_keys_are_held_to_the_parameters_rules(server, name, value):
+    """Each was a 200 (Triton passed it on as a request parameter) where the docs promise 400."""
+    before = _inference_count(server)
+    for model in ("cube3d", "cube3d_stream"):
+        for endpoint in ("generate", "generate_stream"):
+            doc = {"PROMPT": "a ball", "RESOLUTION": 4, name: value}
+            status, reply = call(server.http_url, f"/v2/models/{model}/{endpoint}", json.dumps(doc).encode())
+            assert status == 400 and json.loads(reply)["error"].startswith(f"body.{name}"), (model, endpoint, reply)
+    assert _inference_count(server) == before  # refused before any work
+
+
+def test_generates_documented_top_level_parameters_pass_and_are_given_once(server):
+    doc = {"PROMPT": "a ball", "RESOLUTION": 4, "timeout": 60_000_000, "X-Cube3D-User": "user-1"}
+    status, reply = call(server.http_url, "/v2/models/cube3d_stream/generate", json.dumps(doc).encode())
+    assert status == 200 and json.loads(reply)["NUM_FACES"] > 0, reply
+    with pytest.raises(Refused, match=r"^body\.shared_memory_region: shared memory is not accepted"):
+        rewrite_body("generate", b'{"PROMPT": "a", "shared_memory_region": "r"}', None)
+    with pytest.raises(Refused, match=r"^body\.timeout: given both at the top level and in parameters"):
+        rewrite_body("generate", b'{"PROMPT": "a", "timeout": 1, "parameters": {"timeout": 2}}', None)
+    with pytest.raises(Refused, match=r"^body\.evil: unknown parameter \(allowed: timeout, .*; or one of the inputs "
+                                      r"PROMPT, .*, or parameters\)"):
+        rewrite_body("generate", b'{"PROMPT": "a", "evil": 1}', None)
+
+
 MISTYPED = [  # (what the client sends, the field the 400 names)
     (_good_infer(parameters={"timeout": "soon"}), "parameters.timeout"),
     (_good_infer(parameters={"timeout": -1}), "parameters.timeout"),
