@@ -277,6 +277,21 @@ def test_admin_apis_are_refused_at_the_edge(start):
     assert call(g, "/v2/%2Flogging", key=KEYS["team-a"])[0] == 400  # an escaped slash: rejected
 
 
+def test_an_unknown_model_is_404_at_the_gateway(start):
+    """It reached the default model's servers (whose Triton answered 404 after the round trip)."""
+    backend = start.stub("b1")
+    g = start([backend.address], [tenant("team-a")])
+    for path in ("/v2/models/nope/infer", "/v2/models/nope_stream/generate", "/v2/models/cube3dx/infer",
+                 "/v2/models/nope", "/v2/models/nope/versions/1/ready"):
+        status, _, body = call(g, path, key=KEYS["team-a"])
+        assert status == 404 and json.loads(body)["error"].startswith("unknown model: the models of this gateway "
+                                                                      "are cube3d (cube3d_stream)"), (path, body)
+    assert call(g, "/v2/models/nope/infer")[0] == 401  # the key first: no model names for strangers
+    assert backend.requests() == []
+    assert call(g, "/v2/models/cube3d_stream/generate", key=KEYS["team-a"])[0] == 200
+    assert call(g, "/v2/health/ready", key=KEYS["team-a"])[0] == 200
+
+
 # -- quotas ------------------------------------------------------------------------------------------
 
 def test_a_tenant_over_its_token_budget_gets_429_and_another_is_served(start):

@@ -20,7 +20,7 @@ What a request meets, in order (the edge listener's HTTP filters, then its route
    an overflow, answered 429 with Retry-After (local_reply_config maps the UO flag).
 7. An internal listener (`backends`), whose routes pick the model by path (and tell the server
    its model name in x-cube3d-model; a path naming another model than cube3d is rewritten to
-   cube3d), then the model's cluster, shared by all tenants: LEAST_REQUEST (so the load of every
+   cube3d; a model the gateway does not have is a 404 here), then the model's cluster, shared by all tenants: LEAST_REQUEST (so the load of every
    tenant counts), active health checks on the readiness path, outlier ejection at a refused or
    cut connection and on gateway errors, and retries of connect failures, resets and 503s on
    another backend, within a retry budget. A generation is a pure function of its request (its
@@ -234,6 +234,14 @@ def _model_route(model: Model, match: dict) -> dict:
                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
 
 
+def _unknown_model(config: GatewayConfig) -> dict:
+    """Any other model's paths: 404 from Envoy itself (they reached the default model's servers,
+    which answered the same after a round trip). Costs no tokens: no costly path matches."""
+    names = ", ".join(f"{m.name} ({m.name}_stream)" for m in config.models)
+    return {"match": {"prefix": "/v2/models/"}, "direct_response": {"status": 404, "body": {"inline_string": json.dumps(
+        {"error": f"unknown model: the models of this gateway are {names}"})}}}
+
+
 def model_cluster(model: Model) -> str:
     return f"model.{model.name}"
 
@@ -312,6 +320,7 @@ def render(config: GatewayConfig) -> dict:
                 **tracing)
     default = config.models[0]
     inner_routes = [_model_route(m, {"safe_regex": {"regex": model_path(m)}}) for m in config.models]
+    inner_routes.append(_unknown_model(config))
     inner_routes.append(_model_route(default, {"prefix": "/"}))  # health, server metadata
     inner = _hcm(BACKENDS, inner_routes, [], **tracing)
     many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
