@@ -32,6 +32,7 @@ from cubeserve import deploy
 from cubeserve.checkpoint import write_random_weights
 from cubeserve.serving.front import Refused, rewrite_body
 from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port, tritonserver_home
+from cubeserve.serving.supervisor import front_limits
 from serving_helpers import wait_until
 from test_triton import LONG
 
@@ -660,6 +661,7 @@ def test_the_admin_key_is_on_no_command_line(server):
 # -- round 2: bounded resources -----------------------------------------------------------------------
 
 OPEN_FILES = 512  # the bounded server's open-file limit (soft and hard): the supervisor cannot raise it
+BOUNDED_HEADER_S = 2  # its header timeout (REST) and handshake timeout (gRPC)
 
 
 class Bounded(LocalTriton):
@@ -673,7 +675,7 @@ class Bounded(LocalTriton):
 def bounded(repo, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "bounded.log"
     with Bounded(repo, free_port(), free_port(), free_port(), log_path=log, supervised=True,
-                 supervisor_args=("--idle-timeout=2", "--body-timeout=3"),
+                 supervisor_args=(f"--header-timeout={BOUNDED_HEADER_S}", "--body-timeout=3"),
                  extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
                              "--load-model=cube3d")) as triton:
         yield triton
@@ -722,8 +724,8 @@ def test_more_idle_connections_than_files_leave_the_server_serving(bounded, many
         rest = _flood(bounded.http_port, 3 * OPEN_FILES // 2)
         grpc_ = _flood(bounded.grpc_port, 3 * OPEN_FILES // 2)
         try:
-            # Past the cap: 503 and closed at once; within it: closed by the idle timeout (2 s here),
-            # which frees the slots the flood holds.
+            # Past the cap: 503 and closed at once; within it: closed by the header timeout (REST)
+            # and the handshake timeout (gRPC), 2 s here, which frees the slots the flood holds.
             received: dict = {}
             wait_until(lambda: all([_closed_by_server(s, received) for s in rest + grpc_]), 60,
                        "every flooding connection closed")
@@ -865,3 +867,99 @@ def test_an_admin_body_with_the_key_nested_too_deeply_gets_400_through_the_serve
     assert status == 400 and json.loads(reply)["error"] == "body: nested deeper than 32 levels", (status, reply)
     status, reply = call(server.http_url, "/v2/repository/index", _nested(32), headers, "POST")
     assert status == 200 and {m["name"] for m in json.loads(reply)} >= {"cube3d", "cube3d_stream"}, reply
+
+
+# -- round 3: slow and silent connections ---------------------------------------------------------------
+
+# What a slowloris client sends a byte at a time: a request head (REST), the connection preface (gRPC).
+SLOW_HEAD = b"POST /v2/models/cube3d/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: " + b"a" * 4096
+SLOW_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 4096
+
+
+class Attack:
+    """`slow` connections sending one byte of `head` every `interval` s (slowloris), then
+    `silent` ones that never send a byte, to `port`. `closed`: the seconds from
+    the opening to each one's close by the server; `received`: what each got before (REST: a
+    503 past the cap, nothing within it)."""
+
+    def __init__(self, port: int, slow: int, silent: int, head: bytes, interval: float = 0.5):
+        self.port, self.counts, self.head, self.interval = port, (slow, silent), head, interval
+        self.closed: dict[socket.socket, float] = {}
+        self.received: dict[socket.socket, bytes] = {}
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "Attack":
+        self.slow = _flood(self.port, self.counts[0])
+        time.sleep(0.5)  # taken by the server: one accept burst may run past its cap (front.py, _connection)
+        self.silent = _flood(self.port, self.counts[1])
+        assert len(self.slow) + len(self.silent) == sum(self.counts), "the attack could not open its connections"
+        self.start = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        sent = 0
+        while not self._stop.is_set() and len(self.closed) < sum(self.counts):
+            for s in self.slow:
+                if s not in self.closed and sent < len(self.head):
+                    try:
+                        s.send(self.head[sent:sent + 1])
+                    except OSError:  # closed by the server: seen below
+                        pass
+            sent += 1
+            for s in self.slow + self.silent:
+                if s not in self.closed and _closed_by_server(s, self.received):
+                    self.closed[s] = time.monotonic() - self.start
+            time.sleep(self.interval)
+
+    def wait_closed(self, timeout: float) -> None:
+        wait_until(lambda: len(self.closed) == sum(self.counts), timeout,
+                   f"all {sum(self.counts)} slow and silent connections closed by the server "
+                   f"({len(self.closed)} were)")
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for s in self.slow + self.silent:
+            s.close()
+
+
+def test_slow_and_silent_connections_are_closed_by_the_header_timeout(server):
+    """20 connections sending a request head a byte at a time and 20 that never sent a byte, to
+    each front end: they stayed open for the idle timeout (60 s); now they are closed at the
+    header timeout (deploy.HEADER_TIMEOUT_S, the default here), REST's unanswered, gRPC's (the
+    preface a byte at a time) by its handshake timeout. A client is served meanwhile."""
+    limit = deploy.HEADER_TIMEOUT_S
+    with Attack(server.http_port, 20, 20, SLOW_HEAD) as rest, Attack(server.grpc_port, 20, 20, SLOW_PREFACE) as grpc_:
+        assert call(server.http_url, deploy.READY_PATH, timeout=10)[0] == 200
+        rest.wait_closed(limit + 20)
+        grpc_.wait_closed(limit + 20)
+    for attack in (rest, grpc_):
+        # At the timeout, not before (a byte of the head restarts nothing) and not much after.
+        assert limit - 1 < min(attack.closed.values()) and max(attack.closed.values()) < limit + 10, attack.closed
+    assert not any(rest.received.values()), "closed unanswered"
+
+
+def test_slow_and_silent_connections_cannot_keep_a_client_out_past_the_header_timeout(bounded, many_files):
+    """The issue's 300 slowloris and 1,000 silent connections to a cap of 1,024, scaled to the
+    bounded server's cap: the cap's worth of slowloris connections, then three times as many
+    silent ones. Past the cap they are answered 503 at once, so a client is refused too; within
+    it they hold their slots until the header timeout (2 s here) closes them, and then the client
+    is served. A generation running longer than the header timeout completes."""
+    cap = front_limits(OPEN_FILES)[0].connections  # as the bounded server's supervisor sizes it
+    with InFlight(bounded.http_url):
+        with Attack(bounded.http_port, cap, 3 * cap, SLOW_HEAD) as attack:
+            statuses = []
+
+            def served() -> bool:
+                statuses.append(call(bounded.http_url, deploy.READY_PATH, timeout=10)[0])
+                return statuses[-1] == 200
+
+            wait_until(served, BOUNDED_HEADER_S + 10, "a client served within the header timeout")
+            attack.wait_closed(BOUNDED_HEADER_S + 10)
+        assert 503 in statuses, f"the client was never kept out: the attack did not fill the cap ({statuses})"
+        busy = [s for s, data in attack.received.items() if data.startswith(b"HTTP/1.1 503")]
+        assert len(busy) >= 2 * cap, "the connections past the cap are answered 503"
+        held = [seconds for s, seconds in attack.closed.items() if s not in busy]
+        assert held and min(held) > BOUNDED_HEADER_S - 1, "the ones within the cap are held until the timeout"

@@ -77,8 +77,13 @@ class Limits:
 
     connections: client connections open at once; one more is answered 503 and closed (each
       open connection is a file descriptor, and one more while its request is forwarded).
-    idle_s: a connection with no request in progress is closed after this long: between
-      keep-alive requests, and before the first request's head is complete (a slow-header client).
+    header_s: a connection must bring a whole request head within this long of its opening, or
+      of its previous answer's end; else it is closed, unanswered. One timer for the silent
+      connection (no first byte), the slow head (slowloris: its bytes do not restart the timer)
+      and the idle keep-alive connection: aiohttp's `keepalive_timeout`, which starts when the
+      connection opens and when an answer ends, and closes the connection when it fires while no
+      request is in progress (aiohttp/web_protocol.py, connection_made, _process_keepalive). It
+      never runs while a request is handled: a generation is bounded by its own deadline.
     body_s: the time a client has to send a whole body (408 past it).
     linger_s: after a refusal whose body was not read (413, 408, 400), the connection's further
       bytes are dropped unread, undecompressed, this long before it is closed (so that the client
@@ -87,8 +92,8 @@ class Limits:
       counted (the key is checked before their body is read)."""
 
     connections: int = 1024
-    idle_s: float = 60.0
-    body_s: float = 60.0
+    header_s: float = deploy.HEADER_TIMEOUT_S
+    body_s: float = deploy.BODY_TIMEOUT_S
     linger_s: float = 2.0
     body_bytes: int = 64 << 20
 
@@ -513,7 +518,7 @@ class FrontEnd(LoopThread):
         app = web.Application(client_max_size=self.max_admin_body)
         app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=self.expect)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     keepalive_timeout=self.limits.idle_s, lingering_time=self.limits.linger_s)
+                                     keepalive_timeout=self.limits.header_s, lingering_time=self.limits.linger_s)
         await self._runner.setup()
         self._listener = await asyncio.get_running_loop().create_server(
             self._connection, self.host, self.port, reuse_address=True, backlog=LISTEN_BACKLOG)
