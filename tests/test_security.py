@@ -33,7 +33,9 @@ from cubeserve.checkpoint import write_random_weights
 from cubeserve.serving.front import Refused, rewrite_body
 from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port, tritonserver_home
 from cubeserve.serving.supervisor import front_limits
-from serving_helpers import wait_until
+from serving_helpers import SLOW_HEAD, SLOW_PREFACE, Attack, wait_until
+from serving_helpers import closed_by_server as _closed_by_server
+from serving_helpers import flood as _flood
 from test_triton import LONG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -690,30 +692,6 @@ def many_files():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def _flood(port: int, count: int) -> list[socket.socket]:
-    sockets = []
-    for _ in range(count):
-        try:
-            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        except OSError:
-            break
-    return sockets
-
-
-def _closed_by_server(s: socket.socket, received: dict | None = None) -> bool:
-    """The server closed `s`; what it answered first is added to received[s]."""
-    s.setblocking(False)
-    try:
-        while data := s.recv(65536):
-            if received is not None:
-                received[s] = received.get(s, b"") + data
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:  # reset
-        return True
-
-
 def test_more_idle_connections_than_files_leave_the_server_serving(bounded, many_files):
     """Three times the server's open-file limit in idle connections, to REST and to gRPC at once:
     the supervisor (which listed /proc with no file left, and died) and tritonserver live on, a
@@ -870,60 +848,6 @@ def test_an_admin_body_with_the_key_nested_too_deeply_gets_400_through_the_serve
 
 
 # -- round 3: slow and silent connections ---------------------------------------------------------------
-
-# What a slowloris client sends a byte at a time: a request head (REST), the connection preface (gRPC).
-SLOW_HEAD = b"POST /v2/models/cube3d/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: " + b"a" * 4096
-SLOW_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 4096
-
-
-class Attack:
-    """`slow` connections sending one byte of `head` every `interval` s (slowloris), then
-    `silent` ones that never send a byte, to `port`. `closed`: the seconds from
-    the opening to each one's close by the server; `received`: what each got before (REST: a
-    503 past the cap, nothing within it)."""
-
-    def __init__(self, port: int, slow: int, silent: int, head: bytes, interval: float = 0.5):
-        self.port, self.counts, self.head, self.interval = port, (slow, silent), head, interval
-        self.closed: dict[socket.socket, float] = {}
-        self.received: dict[socket.socket, bytes] = {}
-        self._stop = threading.Event()
-
-    def __enter__(self) -> "Attack":
-        self.slow = _flood(self.port, self.counts[0])
-        time.sleep(0.5)  # taken by the server: one accept burst may run past its cap (front.py, _connection)
-        self.silent = _flood(self.port, self.counts[1])
-        assert len(self.slow) + len(self.silent) == sum(self.counts), "the attack could not open its connections"
-        self.start = time.monotonic()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        sent = 0
-        while not self._stop.is_set() and len(self.closed) < sum(self.counts):
-            for s in self.slow:
-                if s not in self.closed and sent < len(self.head):
-                    try:
-                        s.send(self.head[sent:sent + 1])
-                    except OSError:  # closed by the server: seen below
-                        pass
-            sent += 1
-            for s in self.slow + self.silent:
-                if s not in self.closed and _closed_by_server(s, self.received):
-                    self.closed[s] = time.monotonic() - self.start
-            time.sleep(self.interval)
-
-    def wait_closed(self, timeout: float) -> None:
-        wait_until(lambda: len(self.closed) == sum(self.counts), timeout,
-                   f"all {sum(self.counts)} slow and silent connections closed by the server "
-                   f"({len(self.closed)} were)")
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for s in self.slow + self.silent:
-            s.close()
-
 
 def test_slow_and_silent_connections_are_closed_by_the_header_timeout(server):
     """20 connections sending a request head a byte at a time and 20 that never sent a byte, to
