@@ -41,6 +41,18 @@ IMAGE_UID = 10001
 # makes it the Knative revision's timeoutSeconds, or the HTTPRoute's timeout; a plain Ingress
 # needs its controller's own setting: docs/deploy/draining.md). A large mesh at high resolution is slow.
 REQUEST_TIMEOUT_S = 600
+# What a client's connection gets, on the front ends (serving/front.py, serving/grpc_front.py) and
+# at the gateway (gateway/envoy.py, k8s/gateway/clienttrafficpolicy.yaml), so that silent and
+# slow connections cannot hold the connection caps (docs/security.md, "Timeouts"):
+# - HEADER_TIMEOUT_S: to send the first byte and the whole request head (or, on gRPC, the
+#   connection's preface), from the connection's opening (or the previous answer's end);
+# - IDLE_TIMEOUT_S: a connection with no request in progress is closed after this long (the
+#   REST front end: HEADER_TIMEOUT_S, aiohttp has one timer for both);
+# - BODY_TIMEOUT_S: to send the whole request (a body is at most MAX_REQUEST_BYTES);
+# none of them runs while an answer is awaited: a generation has REQUEST_TIMEOUT_S.
+HEADER_TIMEOUT_S = 10
+IDLE_TIMEOUT_S = 60
+BODY_TIMEOUT_S = 60
 # Triton's --exit-timeout-secs (its default is 30): how long tritonserver, once signalled, waits
 # for open HTTP connections and then for the requests in flight before it exits and cuts them.
 # As long as a request may take, so that a SIGTERM without a drain first (Serverless mode, where

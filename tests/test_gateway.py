@@ -38,7 +38,7 @@ from cubeserve.serving.front import ADMIN
 from cubeserve.serving.local_triton import (DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights,
                                             free_port)
 from guards import cannot_run
-from serving_helpers import wait_until
+from serving_helpers import SLOW_HEAD, SLOW_PREFACE, Attack, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 STUB = Path(__file__).with_name("stub_backend.py")
@@ -275,6 +275,73 @@ def test_admin_apis_are_refused_at_the_edge(start):
         assert status == 403 or (path in tricks and status == 400), (path, status)  # 400: a malformed path
     assert backend.requests() == []
     assert call(g, "/v2/%2Flogging", key=KEYS["team-a"])[0] == 400  # an escaped slash: rejected
+
+
+def test_an_unknown_model_is_404_at_the_gateway(start):
+    """It reached the default model's servers (whose Triton answered 404 after the round trip)."""
+    backend = start.stub("b1")
+    g = start([backend.address], [tenant("team-a")])
+    for path in ("/v2/models/nope/infer", "/v2/models/nope_stream/generate", "/v2/models/cube3dx/infer",
+                 "/v2/models/nope", "/v2/models/nope/versions/1/ready"):
+        status, _, body = call(g, path, key=KEYS["team-a"])
+        assert status == 404 and json.loads(body)["error"].startswith("unknown model: the models of this gateway "
+                                                                      "are cube3d (cube3d_stream)"), (path, body)
+    assert call(g, "/v2/models/nope/infer")[0] == 401  # the key first: no model names for strangers
+    assert backend.requests() == []
+    assert call(g, "/v2/models/cube3d_stream/generate", key=KEYS["team-a"])[0] == 200
+    assert call(g, "/v2/health/ready", key=KEYS["team-a"])[0] == 200
+
+
+# -- slow and silent clients (Envoy's edge-proxy guide; docs/security.md, "Timeouts") --------------------
+
+def test_slow_and_silent_connections_are_closed_while_a_long_request_is_answered(start):
+    """20 connections sending a request head a byte at a time (slowloris), 20 sending its request
+    line at once and then its headers so, 20 sending HTTP/2's preface so, and 20 that never send a
+    byte: Envoy held them as long as the peer liked
+    (request_headers_timeout is off by default, the idle timeout an hour). Now they are closed
+    at the header timeout (deploy.HEADER_TIMEOUT_S: the head's timeout, the listener's wait for
+    the first byte), while a request its backend answers later than that (and later than the
+    pool's idle timeout) is answered, and other clients are served meanwhile."""
+    limit = deploy.HEADER_TIMEOUT_S
+    backend = start.stub("slow", delay=limit + 3)
+    g = start([backend.address], [tenant("team-a")])
+    port = g.config.listen[1]
+    answered = []
+    long = threading.Thread(target=lambda: answered.append(call(g, key=KEYS["team-a"], timeout=120)[0]))
+    long.start()
+    line = SLOW_HEAD.index(b"\r\n") + 2
+    with Attack(port, 20, 20, SLOW_HEAD) as http1, Attack(port, 20, 0, SLOW_HEAD, burst=line) as headers, \
+            Attack(port, 20, 0, SLOW_PREFACE) as http2:
+        ready = urllib.request.Request(g.url + deploy.READY_PATH, headers={"Authorization": f"Bearer {KEYS['team-a']}"})
+        assert urllib.request.urlopen(ready, timeout=10).status == 200
+        for attack in (http1, headers, http2):
+            attack.wait_closed(limit + 20)
+    for attack in (http1, headers, http2):
+        assert limit - 1 < min(attack.closed.values()) and max(attack.closed.values()) < limit + 10, attack.closed
+    long.join(60)
+    assert answered == [200]
+    assert len(backend.requests()) == 1
+    # Envoy's counters say which timeout closed them: the listener's wait for a whole request line
+    # (the HTTP inspector) the silent ones and the slow request lines, the head's timeout the rest.
+    stats = g.stats()
+    assert stats[f"listener.127.0.0.1_{port}.downstream_pre_cx_timeout"] == 60
+    assert stats["http.edge.downstream_rq_header_timeout"] == 20
+
+
+def test_the_edge_refuses_underscored_headers_and_passes_a_body_past_the_buffer_limit(start):
+    """headers_with_underscores_action: x_cube3d_tenant could be read as x-cube3d-tenant by a
+    server that treats the two alike; refused. A body bigger than the per-connection buffer
+    (32 KiB) is still passed whole: the buffer limit is flow control, not a cap."""
+    from cubeserve.gateway.envoy import BUFFER_LIMIT_BYTES
+
+    backend = start.stub("b1")
+    g = start([backend.address], [tenant("team-a")])
+    status, _, _ = call(g, key=KEYS["team-a"], headers={"x_cube3d_tenant": "team-b"})
+    assert status == 400
+    body = b"{" + b" " * (4 * BUFFER_LIMIT_BYTES) + b"}"
+    assert call(g, key=KEYS["team-a"], body=body)[0] == 200
+    [seen] = backend.requests()
+    assert seen["headers"][TENANT_KEY] == "team-a"
 
 
 # -- quotas ------------------------------------------------------------------------------------------
@@ -612,8 +679,8 @@ def test_k8s_gateway_is_valid_for_envoy_gateway_v190(gateway_k8s):
     bundle, schemas, objects = gateway_k8s
     assert bundle["gateway-api"] == ["v1.6.1"]
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["Backend", "BackendTrafficPolicy", "EnvoyProxy", "Gateway", "GatewayClass", "HTTPRoute",
-                     "SecurityPolicy"]
+    assert kinds == ["Backend", "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyProxy", "Gateway", "GatewayClass",
+                     "HTTPRoute", "SecurityPolicy"]
     for obj in objects:
         assert (obj["apiVersion"], obj["kind"]) in schemas, obj["kind"]
         assert crd_errors(obj, schemas) == [], obj["kind"]
@@ -693,6 +760,51 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
              "/v2/trace/setting", "/v2/models/cube3d/trace/setting", "/v2/models/stats", "/v2/models/cube3d/stats",
              "/v2/models/cube3d/versions/1/stats", "/v2/repository/models/cube3d/load"]
     assert not any(allowed.fullmatch(p) for p in admin)
+
+
+def _quantity(value) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(value[:-2]) * units[value[-2:]] if str(value)[-2:] in units else int(value)
+
+
+def test_k8s_gateway_has_the_local_gateways_edge_settings(gateway_k8s):
+    """Envoy's edge-proxy guide on Kubernetes: the ClientTrafficPolicy, the BackendTrafficPolicy
+    and the EnvoyProxy say what gateway/envoy.py renders, number for number."""
+    from cubeserve.gateway import envoy as local
+
+    _, _, objects = gateway_k8s
+    by_kind = {o["kind"]: o for o in objects}
+    rendered = render(gateway_config.load(REPO / "examples" / "gateway.yaml"))
+    [edge] = [listener for listener in rendered["static_resources"]["listeners"] if listener["name"] == "edge"]
+    hcm = edge["filter_chains"][0]["filters"][0]["typed_config"]
+    client = by_kind["ClientTrafficPolicy"]["spec"]
+    assert client["targetRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "cube-serve"}]
+    timeouts = client["timeout"]["http"]
+    assert timeouts["requestHeadersReceivedTimeout"] == hcm["request_headers_timeout"] == f"{deploy.HEADER_TIMEOUT_S}s"
+    assert timeouts["requestReceivedTimeout"] == hcm["request_timeout"] == f"{deploy.BODY_TIMEOUT_S}s"
+    assert timeouts["idleTimeout"] == hcm["common_http_protocol_options"]["idle_timeout"] == f"{deploy.IDLE_TIMEOUT_S}s"
+    assert timeouts["streamIdleTimeout"] == hcm["stream_idle_timeout"] == f"{deploy.REQUEST_TIMEOUT_S}s"
+    assert edge["listener_filters_timeout"] == f"{deploy.HEADER_TIMEOUT_S}s"
+    assert _quantity(client["connection"]["bufferLimit"]) == edge["per_connection_buffer_limit_bytes"] == \
+        local.BUFFER_LIMIT_BYTES
+    assert client["connection"]["connectionLimit"]["value"] == local.MAX_CONNECTIONS
+    http2 = client["http2"]
+    assert (http2["maxConcurrentStreams"], _quantity(http2["initialStreamWindowSize"]),
+            _quantity(http2["initialConnectionWindowSize"])) == \
+        tuple(hcm["http2_protocol_options"][k] for k in ("max_concurrent_streams", "initial_stream_window_size",
+                                                          "initial_connection_window_size"))
+    assert client["headers"]["withUnderscoresAction"] == "RejectRequest"
+    assert hcm["common_http_protocol_options"]["headers_with_underscores_action"] == "REJECT_REQUEST"
+    backend = by_kind["BackendTrafficPolicy"]["spec"]
+    [cluster] = [c for c in rendered["static_resources"]["clusters"] if c["name"].startswith("model.")]
+    assert _quantity(backend["connection"]["bufferLimit"]) == cluster["per_connection_buffer_limit_bytes"]
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert backend["timeout"]["http"]["connectionIdleTimeout"] == options["common_http_protocol_options"]["idle_timeout"]
+    assert local.UPSTREAM_IDLE_S < deploy.HEADER_TIMEOUT_S  # the pool closes first, then the server would
+    # The heap: Envoy Gateway sets fixed_heap to 80% of the container's memory limit.
+    limits = by_kind["EnvoyProxy"]["spec"]["provider"]["kubernetes"]["envoyDeployment"]["container"]["resources"]["limits"]
+    [heap] = [m for m in rendered["overload_manager"]["resource_monitors"] if m["name"].endswith("fixed_heap")]
+    assert int(_quantity(limits["memory"]) * 0.8) == heap["typed_config"]["max_heap_size_bytes"] == local.MAX_HEAP_BYTES
 
 
 def test_the_clients_tenant_header_is_removed_before_anything_reads_it(start, monkeypatch):

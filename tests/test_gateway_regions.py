@@ -106,7 +106,9 @@ def test_regions_render_as_envoy_priorities_with_spill_over_on_retry():
     assert check["no_traffic_interval"] == check["interval"] == "1s"
     assert cluster["outlier_detection"]["consecutive_gateway_failure"] >= 1 << 20  # a full region is not rested
     [inner] = [listener for listener in rendered["static_resources"]["listeners"] if listener["name"] == "backends"]
-    for route in inner["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]:
+    routes = inner["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert [r["direct_response"]["status"] for r in routes if "route" not in r] == [404]  # an unknown model
+    for route in (r for r in routes if "route" in r):
         retry = route["route"]["retry_policy"]
         assert 503 in retry["retriable_status_codes"]
         assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"

@@ -32,7 +32,10 @@ from cubeserve import deploy
 from cubeserve.checkpoint import write_random_weights
 from cubeserve.serving.front import Refused, rewrite_body
 from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port, tritonserver_home
-from serving_helpers import wait_until
+from cubeserve.serving.supervisor import front_limits
+from serving_helpers import SLOW_HEAD, SLOW_PREFACE, Attack, wait_until
+from serving_helpers import closed_by_server as _closed_by_server
+from serving_helpers import flood as _flood
 from test_triton import LONG
 
 REPO = Path(__file__).resolve().parents[1]
@@ -526,6 +529,47 @@ def test_the_documented_parameters_still_pass(server):
     assert status == 200 and json.loads(reply)["outputs"][0]["data"][0] > 0, reply
 
 
+# Top-level keys of a generate request that are not the model's inputs: Triton makes each a
+# request parameter, so they meet the rules of `parameters` (shared memory, the engine's and the
+# gateway's own, classification, anything undocumented, an output's name).
+GENERATE_KEYS = [("shared_memory_region", "attack"), ("shared_memory_offset", 0), ("shared_memory_byte_size", 64),
+                 ("cube3d_forwarded", True), ("X-Cube3D-Tenant", "team-b"), ("classification", 2),
+                 ("request_tag", 7), ("MESH", "x")]
+
+
+def _inference_count(server) -> int:
+    """Requests the models have started, successful or not (Triton's statistics, admin key)."""
+    status, reply = call(server.http_url, "/v2/models/stats", headers=server.admin_headers)
+    assert status == 200, reply
+    return sum(s["inference_stats"]["success"]["count"] + s["inference_stats"]["fail"]["count"]
+               for s in json.loads(reply)["model_stats"])
+
+
+@pytest.mark.parametrize("name, value", GENERATE_KEYS, ids=[n for n, _ in GENERATE_KEYS])
+def test_generates_top_level_keys_are_held_to_the_parameters_rules(server, name, value):
+    """Each was a 200 (Triton passed it on as a request parameter) where the docs promise 400."""
+    before = _inference_count(server)
+    for model in ("cube3d", "cube3d_stream"):
+        for endpoint in ("generate", "generate_stream"):
+            doc = {"PROMPT": "a ball", "RESOLUTION": 4, name: value}
+            status, reply = call(server.http_url, f"/v2/models/{model}/{endpoint}", json.dumps(doc).encode())
+            assert status == 400 and json.loads(reply)["error"].startswith(f"body.{name}"), (model, endpoint, reply)
+    assert _inference_count(server) == before  # refused before any work
+
+
+def test_generates_documented_top_level_parameters_pass_and_are_given_once(server):
+    doc = {"PROMPT": "a ball", "RESOLUTION": 4, "timeout": 60_000_000, "X-Cube3D-User": "user-1"}
+    status, reply = call(server.http_url, "/v2/models/cube3d_stream/generate", json.dumps(doc).encode())
+    assert status == 200 and json.loads(reply)["NUM_FACES"] > 0, reply
+    with pytest.raises(Refused, match=r"^body\.shared_memory_region: shared memory is not accepted"):
+        rewrite_body("generate", b'{"PROMPT": "a", "shared_memory_region": "r"}', None)
+    with pytest.raises(Refused, match=r"^body\.timeout: given both at the top level and in parameters"):
+        rewrite_body("generate", b'{"PROMPT": "a", "timeout": 1, "parameters": {"timeout": 2}}', None)
+    with pytest.raises(Refused, match=r"^body\.evil: unknown parameter \(allowed: timeout, .*; or one of the inputs "
+                                      r"PROMPT, .*, or parameters\)"):
+        rewrite_body("generate", b'{"PROMPT": "a", "evil": 1}', None)
+
+
 MISTYPED = [  # (what the client sends, the field the 400 names)
     (_good_infer(parameters={"timeout": "soon"}), "parameters.timeout"),
     (_good_infer(parameters={"timeout": -1}), "parameters.timeout"),
@@ -619,6 +663,7 @@ def test_the_admin_key_is_on_no_command_line(server):
 # -- round 2: bounded resources -----------------------------------------------------------------------
 
 OPEN_FILES = 512  # the bounded server's open-file limit (soft and hard): the supervisor cannot raise it
+BOUNDED_HEADER_S = 2  # its header timeout (REST) and handshake timeout (gRPC)
 
 
 class Bounded(LocalTriton):
@@ -632,7 +677,7 @@ class Bounded(LocalTriton):
 def bounded(repo, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "bounded.log"
     with Bounded(repo, free_port(), free_port(), free_port(), log_path=log, supervised=True,
-                 supervisor_args=("--idle-timeout=2", "--body-timeout=3"),
+                 supervisor_args=(f"--header-timeout={BOUNDED_HEADER_S}", "--body-timeout=3"),
                  extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
                              "--load-model=cube3d")) as triton:
         yield triton
@@ -647,30 +692,6 @@ def many_files():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def _flood(port: int, count: int) -> list[socket.socket]:
-    sockets = []
-    for _ in range(count):
-        try:
-            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-        except OSError:
-            break
-    return sockets
-
-
-def _closed_by_server(s: socket.socket, received: dict | None = None) -> bool:
-    """The server closed `s`; what it answered first is added to received[s]."""
-    s.setblocking(False)
-    try:
-        while data := s.recv(65536):
-            if received is not None:
-                received[s] = received.get(s, b"") + data
-        return True
-    except BlockingIOError:
-        return False
-    except OSError:  # reset
-        return True
-
-
 def test_more_idle_connections_than_files_leave_the_server_serving(bounded, many_files):
     """Three times the server's open-file limit in idle connections, to REST and to gRPC at once:
     the supervisor (which listed /proc with no file left, and died) and tritonserver live on, a
@@ -681,8 +702,8 @@ def test_more_idle_connections_than_files_leave_the_server_serving(bounded, many
         rest = _flood(bounded.http_port, 3 * OPEN_FILES // 2)
         grpc_ = _flood(bounded.grpc_port, 3 * OPEN_FILES // 2)
         try:
-            # Past the cap: 503 and closed at once; within it: closed by the idle timeout (2 s here),
-            # which frees the slots the flood holds.
+            # Past the cap: 503 and closed at once; within it: closed by the header timeout (REST)
+            # and the handshake timeout (gRPC), 2 s here, which frees the slots the flood holds.
             received: dict = {}
             wait_until(lambda: all([_closed_by_server(s, received) for s in rest + grpc_]), 60,
                        "every flooding connection closed")
@@ -824,3 +845,45 @@ def test_an_admin_body_with_the_key_nested_too_deeply_gets_400_through_the_serve
     assert status == 400 and json.loads(reply)["error"] == "body: nested deeper than 32 levels", (status, reply)
     status, reply = call(server.http_url, "/v2/repository/index", _nested(32), headers, "POST")
     assert status == 200 and {m["name"] for m in json.loads(reply)} >= {"cube3d", "cube3d_stream"}, reply
+
+
+# -- round 3: slow and silent connections ---------------------------------------------------------------
+
+def test_slow_and_silent_connections_are_closed_by_the_header_timeout(server):
+    """20 connections sending a request head a byte at a time and 20 that never sent a byte, to
+    each front end: they stayed open for the idle timeout (60 s); now they are closed at the
+    header timeout (deploy.HEADER_TIMEOUT_S, the default here), REST's unanswered, gRPC's (the
+    preface a byte at a time) by its handshake timeout. A client is served meanwhile."""
+    limit = deploy.HEADER_TIMEOUT_S
+    with Attack(server.http_port, 20, 20, SLOW_HEAD) as rest, Attack(server.grpc_port, 20, 20, SLOW_PREFACE) as grpc_:
+        assert call(server.http_url, deploy.READY_PATH, timeout=10)[0] == 200
+        rest.wait_closed(limit + 20)
+        grpc_.wait_closed(limit + 20)
+    for attack in (rest, grpc_):
+        # At the timeout, not before (a byte of the head restarts nothing) and not much after.
+        assert limit - 1 < min(attack.closed.values()) and max(attack.closed.values()) < limit + 10, attack.closed
+    assert not any(rest.received.values()), "closed unanswered"
+
+
+def test_slow_and_silent_connections_cannot_keep_a_client_out_past_the_header_timeout(bounded, many_files):
+    """The issue's 300 slowloris and 1,000 silent connections to a cap of 1,024, scaled to the
+    bounded server's cap: the cap's worth of slowloris connections, then three times as many
+    silent ones. Past the cap they are answered 503 at once, so a client is refused too; within
+    it they hold their slots until the header timeout (2 s here) closes them, and then the client
+    is served. A generation running longer than the header timeout completes."""
+    cap = front_limits(OPEN_FILES)[0].connections  # as the bounded server's supervisor sizes it
+    with InFlight(bounded.http_url):
+        with Attack(bounded.http_port, cap, 3 * cap, SLOW_HEAD) as attack:
+            statuses = []
+
+            def served() -> bool:
+                statuses.append(call(bounded.http_url, deploy.READY_PATH, timeout=10)[0])
+                return statuses[-1] == 200
+
+            wait_until(served, BOUNDED_HEADER_S + 10, "a client served within the header timeout")
+            attack.wait_closed(BOUNDED_HEADER_S + 10)
+        assert 503 in statuses, f"the client was never kept out: the attack did not fill the cap ({statuses})"
+        busy = [s for s, data in attack.received.items() if data.startswith(b"HTTP/1.1 503")]
+        assert len(busy) >= 2 * cap, "the connections past the cap are answered 503"
+        held = [seconds for s, seconds in attack.closed.items() if s not in busy]
+        assert held and min(held) > BOUNDED_HEADER_S - 1, "the ones within the cap are held until the timeout"

@@ -20,7 +20,7 @@ What a request meets, in order (the edge listener's HTTP filters, then its route
    an overflow, answered 429 with Retry-After (local_reply_config maps the UO flag).
 7. An internal listener (`backends`), whose routes pick the model by path (and tell the server
    its model name in x-cube3d-model; a path naming another model than cube3d is rewritten to
-   cube3d), then the model's cluster, shared by all tenants: LEAST_REQUEST (so the load of every
+   cube3d; a model the gateway does not have is a 404 here), then the model's cluster, shared by all tenants: LEAST_REQUEST (so the load of every
    tenant counts), active health checks on the readiness path, outlier ejection at a refused or
    cut connection and on gateway errors, and retries of connect failures, resets and 503s on
    another backend, within a retry budget. A generation is a pure function of its request (its
@@ -94,6 +94,19 @@ BACKENDS = "backends"  # the internal listener all tenants' requests pass, to th
 MODEL_HEADER = MODEL_KEY  # the gateway's model name, set for the servers' meters (a client's is removed)
 RETRY_BACK_OFF = "0.025s"  # base of the jittered back-off before a retry (a spill-over waits this)
 CONCURRENCY_RETRY_AFTER_S = 1  # a tenant at its concurrency cap: a request ends within seconds, or more
+# Envoy's edge-proxy guide ("Configuring Envoy as an edge proxy"), point by point in
+# docs/security.md; k8s/gateway/clienttrafficpolicy.yaml and backendtrafficpolicy.yaml say the same.
+# The clients' timeouts are deploy.HEADER_TIMEOUT_S, IDLE_TIMEOUT_S and BODY_TIMEOUT_S.
+BUFFER_LIMIT_BYTES = 32 << 10  # per connection, listeners and clusters (a request body is retried whole below it)
+HTTP2_MAX_STREAMS = 100  # a client's streams at once on one connection
+HTTP2_STREAM_WINDOW = 64 << 10
+HTTP2_CONNECTION_WINDOW = 1 << 20
+MAX_HEAP_BYTES = 1 << 30  # the heap past which Envoy shrinks it (95%) and refuses new requests (98%)
+MAX_CONNECTIONS = 10000  # client connections at once, all listeners together
+# Pooled connections to the servers are closed by the gateway after this long unused: before the
+# REST front end's own idle close (deploy.HEADER_TIMEOUT_S), so that a request never meets a
+# connection the server is closing.
+UPSTREAM_IDLE_S = deploy.HEADER_TIMEOUT_S / 2
 _ALL = {"numerator": 100, "denominator": "HUNDRED"}
 _TYPE = "type.googleapis.com/envoy.extensions."
 
@@ -113,6 +126,11 @@ def _duration(seconds: float) -> str:
 
 def _socket(host: str, port: int) -> dict:
     return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _http2_limits() -> dict:
+    return {"max_concurrent_streams": HTTP2_MAX_STREAMS, "initial_stream_window_size": HTTP2_STREAM_WINDOW,
+            "initial_connection_window_size": HTTP2_CONNECTION_WINDOW}
 
 
 def _router() -> dict:
@@ -234,6 +252,14 @@ def _model_route(model: Model, match: dict) -> dict:
                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
 
 
+def _unknown_model(config: GatewayConfig) -> dict:
+    """Any other model's paths: 404 from Envoy itself (they reached the default model's servers,
+    which answered the same after a round trip). Costs no tokens: no costly path matches."""
+    names = ", ".join(f"{m.name} ({m.name}_stream)" for m in config.models)
+    return {"match": {"prefix": "/v2/models/"}, "direct_response": {"status": 404, "body": {"inline_string": json.dumps(
+        {"error": f"unknown model: the models of this gateway are {names}"})}}}
+
+
 def model_cluster(model: Model) -> str:
     return f"model.{model.name}"
 
@@ -247,7 +273,11 @@ def _model_cluster(config: GatewayConfig, model: Model) -> dict:
     interval = config.health_check_interval_s
     many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
     return {
-        "name": model_cluster(model), "connect_timeout": "2s",
+        "name": model_cluster(model), "connect_timeout": "2s", "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": _TYPE + "upstreams.http.v3.HttpProtocolOptions",
+            "common_http_protocol_options": {"idle_timeout": _duration(UPSTREAM_IDLE_S)},
+            "explicit_http_config": {"http_protocol_options": {}}}},
         # LEAST_REQUEST. Its default picks the better of 2 hosts drawn at random (with
         # replacement): of 2 backends it draws the slow one twice a quarter of the time. A full
         # scan takes the backend with the fewest requests in flight (ties at random).
@@ -301,6 +331,16 @@ def render(config: GatewayConfig) -> dict:
                 # its own retries or timeouts), x-forwarded-for is the peer's address.
                 use_remote_address=True, normalize_path=True, merge_slashes=True,
                 path_with_escaped_slashes_action="REJECT_REQUEST",
+                # Slow and silent clients (docs/security.md, "Timeouts"): the head within the
+                # header timeout (its first byte: the listener's), the whole request within the
+                # body timeout (disarmed once it is all read: a long generation is not cut), and
+                # a connection without a request closed when idle.
+                request_headers_timeout=_duration(deploy.HEADER_TIMEOUT_S),
+                request_timeout=_duration(deploy.BODY_TIMEOUT_S),
+                # x_cube3d_tenant must not reach a server that reads it as x-cube3d-tenant.
+                common_http_protocol_options={"idle_timeout": _duration(deploy.IDLE_TIMEOUT_S),
+                                              "headers_with_underscores_action": "REJECT_REQUEST"},
+                http2_protocol_options=_http2_limits(),
                 early_header_mutation_extensions=[{
                     "name": "envoy.http.early_header_mutation.header_mutation",
                     "typed_config": {"@type": _TYPE + "http.early_header_mutation.header_mutation.v3.HeaderMutation",
@@ -312,11 +352,12 @@ def render(config: GatewayConfig) -> dict:
                 **tracing)
     default = config.models[0]
     inner_routes = [_model_route(m, {"safe_regex": {"regex": model_path(m)}}) for m in config.models]
+    inner_routes.append(_unknown_model(config))
     inner_routes.append(_model_route(default, {"prefix": "/"}))  # health, server metadata
     inner = _hcm(BACKENDS, inner_routes, [], **tracing)
     many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
     tenant_clusters = [{
-        "name": f"tenant.{t.id}", "connect_timeout": "5s",
+        "name": f"tenant.{t.id}", "connect_timeout": "5s", "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
         "circuit_breakers": {"thresholds": [{**many, "max_requests": t.quota.max_in_flight, "max_retries": 0}]},
         "load_assignment": {"cluster_name": f"tenant.{t.id}", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"envoy_internal_address": {"server_listener_name": BACKENDS}}}}]}]},
@@ -330,18 +371,40 @@ def render(config: GatewayConfig) -> dict:
         "admin": admin,
         "bootstrap_extensions": [{"name": "envoy.bootstrap.internal_listener", "typed_config": {
             "@type": _TYPE + "bootstrap.internal_listener.v3.InternalListener"}}],
-        "overload_manager": {"resource_monitors": [{
-            "name": "envoy.resource_monitors.global_downstream_max_connections",
-            "typed_config": {"@type": _TYPE + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                             "max_active_downstream_connections": 10000}}]},
+        "overload_manager": _overload_manager(),
         "static_resources": {
             "listeners": [
-                {"name": "edge", "address": _socket(*config.listen), "filter_chains": [{"filters": [edge]}]},
-                {"name": BACKENDS, "internal_listener": {}, "filter_chains": [{"filters": [inner]}]},
+                {"name": "edge", "address": _socket(*config.listen), "filter_chains": [{"filters": [edge]}],
+                 "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+                 # The first byte within the header timeout: the HTTP inspector waits for it, and
+                 # a connection still silent when the listener filters time out is closed.
+                 "listener_filters": [{"name": "envoy.filters.listener.http_inspector", "typed_config": {
+                     "@type": _TYPE + "filters.listener.http_inspector.v3.HttpInspector"}}],
+                 "listener_filters_timeout": _duration(deploy.HEADER_TIMEOUT_S)},
+                {"name": BACKENDS, "internal_listener": {}, "filter_chains": [{"filters": [inner]}],
+                 "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES},
             ],
             "clusters": clusters,
         },
     }
+
+
+def _overload_manager() -> dict:
+    """The guide's heap limits (shrink the heap at 95% of MAX_HEAP_BYTES, refuse new requests at
+    98%) and the connection cap (MAX_CONNECTIONS: one more connection is refused)."""
+    heap = "envoy.resource_monitors.fixed_heap"
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {"name": heap, "typed_config": {"@type": _TYPE + "resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                                            "max_heap_size_bytes": MAX_HEAP_BYTES}},
+            {"name": "envoy.resource_monitors.global_downstream_max_connections",
+             "typed_config": {"@type": _TYPE + "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
+                              "max_active_downstream_connections": MAX_CONNECTIONS}}],
+        "actions": [{"name": "envoy.overload_actions.shrink_heap",
+                     "triggers": [{"name": heap, "threshold": {"value": 0.95}}]},
+                    {"name": "envoy.overload_actions.stop_accepting_requests",
+                     "triggers": [{"name": heap, "threshold": {"value": 0.98}}]}]}
 
 
 # -- tracing: W3C trace context, spans to an OpenTelemetry collector --------------------------------
@@ -353,7 +416,8 @@ def _collector_cluster(address: tuple[str, int]) -> dict:
     return {"name": COLLECTOR, "connect_timeout": "2s", "type": "STRICT_DNS",
             "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _TYPE + "upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}},
+                "explicit_http_config": {"http2_protocol_options": _http2_limits()}}},
+            "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
             "load_assignment": {"cluster_name": COLLECTOR, "endpoints": [{"lb_endpoints": [
                 {"endpoint": {"address": _socket(*address)}}]}]}}
 

@@ -146,9 +146,15 @@ REFUSED_PARAMETERS = {
 }
 
 
-def parameters(value, where: str, allowed: dict) -> dict:
+def canonical(key: str) -> str:
+    """A parameter's name as it is compared: the x-cube3d-... ones in any case, as headers are."""
+    return key.lower() if key.lower().startswith("x-cube3d-") else key
+
+
+def parameters(value, where: str, allowed: dict, also: str = "") -> dict:
     """A `parameters` object: each key one of `allowed` (the x-cube3d-... ones in any case, as
-    headers are), once, with a value of its type; Refused naming the first that is not."""
+    headers are), once, with a value of its type; Refused naming the first that is not. `also`:
+    what else the place takes, for the message about an unknown key."""
     if not isinstance(value, dict):
         raise Refused(400, f"{where}: must be an object")
     if len(value) > MAX_PARAMETERS:
@@ -156,13 +162,13 @@ def parameters(value, where: str, allowed: dict) -> dict:
     seen = set()
     for key, item in value.items():
         string(key, f"{where}: a key", MAX_NAME_BYTES)
-        canonical = key.lower() if key.lower().startswith("x-cube3d-") else key
-        if canonical in REFUSED_PARAMETERS:
-            raise Refused(400, f"{where}.{key}: {REFUSED_PARAMETERS[canonical]}")
-        if canonical not in allowed:
-            raise Refused(400, f"{where}.{key[:64]}: unknown parameter (allowed: {', '.join(allowed) or 'none'})")
-        if canonical in seen:
+        name = canonical(key)
+        if name in REFUSED_PARAMETERS:
+            raise Refused(400, f"{where}.{key}: {REFUSED_PARAMETERS[name]}")
+        if name not in allowed:
+            raise Refused(400, f"{where}.{key[:64]}: unknown parameter (allowed: {', '.join(allowed) or 'none'}{also})")
+        if name in seen:
             raise Refused(400, f"{where}.{key}: given twice (names of the x-cube3d- parameters ignore case)")
-        seen.add(canonical)
-        allowed[canonical](item, f"{where}.{key}")
+        seen.add(name)
+        allowed[name](item, f"{where}.{key}")
     return value

@@ -48,6 +48,7 @@ from cubeserve.serving import checks
 from cubeserve.serving.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
                                       OUTPUT_PARAMETERS, REQUEST_PARAMETERS, Refused)
 from cubeserve.serving.protocol import DATATYPES as MODEL_DATATYPES
+from cubeserve.serving.protocol import INPUTS as MODEL_INPUTS
 
 log = logging.getLogger("cubeserve.front")
 
@@ -76,8 +77,13 @@ class Limits:
 
     connections: client connections open at once; one more is answered 503 and closed (each
       open connection is a file descriptor, and one more while its request is forwarded).
-    idle_s: a connection with no request in progress is closed after this long: between
-      keep-alive requests, and before the first request's head is complete (a slow-header client).
+    header_s: a connection must bring a whole request head within this long of its opening, or
+      of its previous answer's end; else it is closed, unanswered. One timer for the silent
+      connection (no first byte), the slow head (slowloris: its bytes do not restart the timer)
+      and the idle keep-alive connection: aiohttp's `keepalive_timeout`, which starts when the
+      connection opens and when an answer ends, and closes the connection when it fires while no
+      request is in progress (aiohttp/web_protocol.py, connection_made, _process_keepalive). It
+      never runs while a request is handled: a generation is bounded by its own deadline.
     body_s: the time a client has to send a whole body (408 past it).
     linger_s: after a refusal whose body was not read (413, 408, 400), the connection's further
       bytes are dropped unread, undecompressed, this long before it is closed (so that the client
@@ -86,8 +92,8 @@ class Limits:
       counted (the key is checked before their body is read)."""
 
     connections: int = 1024
-    idle_s: float = 60.0
-    body_s: float = 60.0
+    header_s: float = deploy.HEADER_TIMEOUT_S
+    body_s: float = deploy.BODY_TIMEOUT_S
     linger_s: float = 2.0
     body_bytes: int = 64 << 20
 
@@ -108,19 +114,6 @@ def parse_json(data: bytes, what: str = "body") -> object:
         raise Refused(400, f"{what}: nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise Refused(400, f"{what}: not valid JSON ({exc})") from None
-
-
-def _scalar(value, where: str):
-    """A value of the generate extension, whose datatype Triton takes from the model."""
-    if isinstance(value, str):
-        return checks.string(value, where)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return checks.integer(-(1 << 63), (1 << 64) - 1)(value, where)
-    if isinstance(value, float):
-        return checks.number(1.7976931348623157e308)(value, where)
-    raise Refused(400, f"{where}: must be a string, number or boolean")
 
 
 def _only(doc: dict, allowed: set, where: str) -> None:
@@ -205,22 +198,32 @@ def sanitize_infer(doc, binary_size: int) -> dict:
 
 
 def sanitize_generate(doc) -> dict:
-    """Triton's generate extension: an object of input names to a scalar or a flat list, and
-    `parameters`. The values of this project's inputs are checked against their datatypes."""
+    """Triton's generate extension: an object of the model's input names to a scalar or a flat
+    list, and `parameters`. Triton makes every other top-level key a request parameter, so those
+    are held to the rules of `parameters` (serving/checks.py): only the documented ones pass,
+    `shared_memory_*` and the rest are refused by name."""
     if not isinstance(doc, dict):
         raise Refused(400, "body: must be a JSON object")
     if len(doc) > MAX_TENSORS + 1:
         raise Refused(400, f"body: has {len(doc)} fields, at most {MAX_TENSORS + 1} are allowed")
+    top_level = {}  # the keys Triton takes as request parameters
     for key, value in doc.items():
         checks.string(key, "body: a key", MAX_NAME_BYTES)
         if key == "parameters":
             checks.parameters(value, "parameters", REQUEST_PARAMETERS)
-            continue
-        check = checks.element_check(MODEL_DATATYPES[key], key) if key in MODEL_DATATYPES else _scalar
-        if isinstance(value, list):
-            _count_elements(value, key, 1, check)
+        elif key in MODEL_INPUTS:
+            check = checks.element_check(MODEL_DATATYPES[key], key)
+            if isinstance(value, list):
+                _count_elements(value, key, 1, check)
+            else:
+                check(value, key)
         else:
-            check(value, key)
+            top_level[key] = value
+    checks.parameters(top_level, "body", REQUEST_PARAMETERS,
+                      also=f"; or one of the inputs {', '.join(MODEL_INPUTS)}, or parameters")
+    given = {checks.canonical(k) for k in doc.get("parameters", {})} & {checks.canonical(k) for k in top_level}
+    if given:
+        raise Refused(400, f"body.{sorted(given)[0]}: given both at the top level and in parameters")
     return doc
 
 
@@ -515,7 +518,7 @@ class FrontEnd(LoopThread):
         app = web.Application(client_max_size=self.max_admin_body)
         app.router.add_route("*", "/{tail:.*}", self.handle, expect_handler=self.expect)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     keepalive_timeout=self.limits.idle_s, lingering_time=self.limits.linger_s)
+                                     keepalive_timeout=self.limits.header_s, lingering_time=self.limits.linger_s)
         await self._runner.setup()
         self._listener = await asyncio.get_running_loop().create_server(
             self._connection, self.host, self.port, reuse_address=True, backlog=LISTEN_BACKLOG)

@@ -15,8 +15,9 @@ RESTRICTED_APIS) only with the admin key in the metadata deploy.GRPC_ADMIN_METAD
 with tritonserver's own key.
 
 Bounded, whatever clients do (GrpcLimits): connections (gRPC's connection quota), calls at
-once (RESOURCE_EXHAUSTED past it), streams per connection, the TLS-less handshake's time, idle
-connections, and a message's size: deploy.MAX_REQUEST_BYTES, so a model load carrying its files
+once (RESOURCE_EXHAUSTED past it), streams per connection, the TLS-less handshake's time (the
+preface and SETTINGS: a silent or slow connection), idle connections, unanswered keepalive
+pings, and a message's size: deploy.MAX_REQUEST_BYTES, so a model load carrying its files
 (bigger) goes over REST.
 
 It runs in the supervisor on a thread with its own asyncio loop, as the REST front end does.
@@ -66,14 +67,21 @@ FORWARD_METADATA = ("x-cube3d-user", "x-cube3d-arm", "x-cube3d-tenant", "x-cube3
 @dataclass(frozen=True)
 class GrpcLimits:
     """connections: open at once (gRPC's own connection quota refuses more); calls: in progress
-    at once (RESOURCE_EXHAUSTED past it); streams: calls at once on one connection; idle_s: a
-    connection with no call is closed; handshake_s: to open a connection."""
+    at once (RESOURCE_EXHAUSTED past it); streams: calls at once on one connection; handshake_s:
+    to open a connection, the HTTP/2 preface and first SETTINGS included (a silent or slow
+    connection is closed: gRPC's server_handshake_timeout_ms, whose deadline also bounds the
+    wait for the client's SETTINGS); idle_s: a connection with no call is closed (GOAWAY, which
+    clients follow by reconnecting); keepalive_s: a connection that has sent nothing this long is
+    pinged, and closed if the ping is not answered within keepalive_timeout_s (a client gone
+    without a FIN, a call of it included)."""
 
     connections: int = 1024
     calls: int = 1024
     streams: int = 100
-    idle_s: float = 60.0
-    handshake_s: float = 10.0
+    idle_s: float = deploy.IDLE_TIMEOUT_S
+    handshake_s: float = deploy.HEADER_TIMEOUT_S
+    keepalive_s: float = deploy.IDLE_TIMEOUT_S
+    keepalive_timeout_s: float = 20.0
 
 
 def _value(parameter: pb.InferParameter):
@@ -275,6 +283,8 @@ class GrpcFrontEnd(LoopThread):
             ("grpc.max_concurrent_streams", limits.streams),
             ("grpc.max_connection_idle_ms", int(limits.idle_s * 1000)),
             ("grpc.server_handshake_timeout_ms", int(limits.handshake_s * 1000)),
+            ("grpc.keepalive_time_ms", int(limits.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(limits.keepalive_timeout_s * 1000)),
             ("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers((self._handlers(),))
         if self._server.add_insecure_port(f"{self.host}:{self.port}") == 0:

@@ -146,20 +146,23 @@ def raise_open_files(wanted: int = OPEN_FILES) -> int:
     return soft
 
 
-def front_limits(open_files: int, connections: int | None = None, idle_s: float | None = None,
-                 body_s: float | None = None) -> tuple[Limits, GrpcLimits]:
+def front_limits(open_files: int, connections: int | None = None, header_s: float | None = None,
+                 idle_s: float | None = None, body_s: float | None = None) -> tuple[Limits, GrpcLimits]:
     """Connection caps that fit in `open_files`: a REST connection holds two files while its
     request is forwarded, a gRPC one one (its calls share one connection to tritonserver), and an
     accept burst may run past a cap by the listen backlog. `connections` (a cap on each) and the
-    timeouts override the defaults."""
+    timeouts override the defaults: `header_s` the REST head's and the gRPC handshake's, `idle_s`
+    gRPC's idle connection's (REST's is `header_s`: front.Limits), `body_s` the REST body's."""
     budget = max(open_files - OWN_FILES - 2 * LISTEN_BACKLOG, 64)
     rest, grpc = Limits(), GrpcLimits()
     rest_cap = min(connections or rest.connections, budget // 4)
     grpc_cap = min(connections or grpc.connections, budget // 4)
-    idle = {} if idle_s is None else {"idle_s": idle_s}
-    body = {} if body_s is None else {"body_s": body_s}
-    return (Limits(connections=rest_cap, **idle, **body),
-            GrpcLimits(connections=grpc_cap, calls=max(grpc_cap, 16), **idle))
+    return (Limits(connections=rest_cap, **_given(header_s=header_s, body_s=body_s)),
+            GrpcLimits(connections=grpc_cap, calls=max(grpc_cap, 16), **_given(handshake_s=header_s, idle_s=idle_s)))
+
+
+def _given(**values) -> dict:
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def _code_at(pid: int) -> str:
@@ -407,8 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-connections", type=int,
                         help="client connections each front end holds at once (default: what the open-file limit "
                              f"allows, at most {Limits.connections})")
-    parser.add_argument("--idle-timeout", type=float, help=f"seconds an idle client connection is kept "
-                                                           f"(default {Limits.idle_s:g})")
+    parser.add_argument("--header-timeout", type=float,
+                        help="seconds a client connection has to send a whole request head (REST) or its "
+                             "connection preface (gRPC) from its opening or its previous answer; an idle REST "
+                             f"connection is closed after as long (default {Limits.header_s:g})")
+    parser.add_argument("--idle-timeout", type=float, help=f"seconds an idle gRPC client connection is kept "
+                                                           f"(default {GrpcLimits.idle_s:g})")
     parser.add_argument("--body-timeout", type=float, help=f"seconds a client has to send a request body "
                                                            f"(default {Limits.body_s:g})")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks at the stubs")
@@ -422,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("give the server's command after --")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cubeserve supervisor: %(message)s")
-    limits = front_limits(raise_open_files(), args.max_connections, args.idle_timeout, args.body_timeout)
+    limits = front_limits(raise_open_files(), args.max_connections, args.header_timeout, args.idle_timeout,
+                          args.body_timeout)
     try:
         supervisor = Supervisor(command, args.on_fault, args.poll, args.fault_grace, drained_grace_s=args.drained_grace,
                                 rest_port=args.rest_port, rest_address=args.rest_address, grpc_port=args.grpc_port,
