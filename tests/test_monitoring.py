@@ -376,12 +376,15 @@ def test_the_pod_monitor_scrapes_the_metrics_port_and_keeps_the_labels():
     # port (the runtime declares REST only), so `port: ...` would match nothing.
     assert "port" not in endpoint and "targetPort" not in endpoint
     assert spec["podTargetLabels"] == ["serving.kserve.io/inferenceservice"]
+    # The preStop drain waits this long for a scrape of a pod's last counts (serving/drain.py).
+    assert endpoint["interval"] == f"{deploy.SCRAPE_INTERVAL_S}s"
 
 
 def test_the_plain_scrape_config_is_the_same_scrape_and_valid(tmp_path):
     config = yaml.safe_load((MONITORING / "scrape-config.yaml").read_text())
     [job] = config["scrape_configs"]
     assert job["metrics_path"] == deploy.METRICS_PATH and job["honor_labels"] is True
+    assert job["scrape_interval"] == f"{deploy.SCRAPE_INTERVAL_S}s"  # as the PodMonitor's
     assert "metric_relabel_configs" not in job
     scraped = [t for t in (relabel(job["relabel_configs"], t) for t in pod_targets()) if t]
     assert len(scraped) == 1 and scraped[0]["__address__"] == f"10.1.2.3:{deploy.METRICS_PORT}"
