@@ -40,6 +40,7 @@ class PrometheusServer(Prometheus):
                  discovered: bool = False):
         binary, _ = require_prometheus()
         super().__init__(workdir, targets, interval, rule_files, binary)
+        self.interval = interval
         if discovered:
             self.targets_file = self.workdir / "targets.json"
             self.discover(targets)
