@@ -28,7 +28,9 @@ COUNTERS = {m.REQUESTS, m.MESHES, m.SHADOW_REQUESTS,
 HISTOGRAMS = {m.REQUEST_DURATION, m.TIME_PER_OUTPUT_TOKEN, m.QUEUE_TIME, m.SHADOW_DURATION, m.SHADOW_AGREEMENT}
 # The gauge of the requests each model instance holds (serving/triton_common.py's Drain; the drain
 # and the autoscalers read it): labels model, version, instance.
-GAUGES = {IN_PROGRESS_METRIC}
+# When each server process started (`cubeserve usage` tells the processes apart): model, version.
+START_TIME = {m.SERVER_START_TIME}
+GAUGES = {IN_PROGRESS_METRIC, *START_TIME}
 # The labels of those series (metrics.py's docstring), and those the scrape adds.
 SERIES_LABELS = {"model", "version", "arm", "outcome", "quality", "measure", "baseline", "tenant", "gateway_model",
                  "le", "instance"}
@@ -91,7 +93,7 @@ def unknown_metrics(expr: str) -> list[str]:
 
 def test_metrics_py_defines_exactly_the_series_checked_here():
     defined = {v for k, v in vars(m).items() if k.isupper() and isinstance(v, str) and v.startswith("cube3d_")}
-    assert defined == COUNTERS | HISTOGRAMS
+    assert defined == COUNTERS | HISTOGRAMS | START_TIME
 
 
 def test_the_name_check_finds_what_it_must():

@@ -94,10 +94,10 @@ class Measurements:
 
     # -- what the models record -------------------------------------------------------------------
 
-    def started(self, seconds: float) -> None:
+    def started(self, version, seconds: float) -> None:
         """When tritonserver started (serving/metrics.py): set before any counter of this process,
         so that every scrape with a count says which process counted it."""
-        self.set(names.SERVER_START_TIME, {}, seconds)
+        self.set(names.SERVER_START_TIME, {"version": str(version)}, seconds)
 
 
     def loaded(self, version) -> None:

@@ -193,7 +193,7 @@ class PredictModel:
         self.server_pid = os.getppid()  # the stub is a child of tritonserver
         self.drain = Drain(args)
         self.measurements = Measurements(args["model_name"])
-        self.measurements.started(started_at(self.server_pid) or time.time())
+        self.measurements.started(self.version, started_at(self.server_pid) or time.time())
         self.measurements.loaded(self.version)
         self.tenants = metric_names.known_tenants(os.environ.get(metric_names.TENANTS_ENV))
         self.models = metric_names.known_tenants(os.environ.get(metric_names.MODELS_ENV))
