@@ -124,10 +124,11 @@ gateway-e2e-test: install trace-backend
 
 # Autoscaling's signal end to end (marker `scale`; not part of `make test`): two real servers and a
 # real Prometheus under a stepped load, the KEDA query and the replica count it gives, a replica
-# drained away under load (docs/deploy/autoscaling.md). About 80 s on 2 cores.
+# drained away under load (docs/deploy/autoscaling.md); and a rollout replacing a server, billed
+# in full by `cubeserve usage` (tests/test_usage.py, about 40 s). About 2 minutes on 2 cores.
 .PHONY: scale-test
 scale-test: install
-	$(PY) -m pytest -q -m scale tests/test_autoscaling.py
+	$(PY) -m pytest -q -m scale tests/test_autoscaling.py tests/test_usage.py
 
 # The soak (marker `soak`; not part of `make test`): 16 clients through the predict model, REST and
 # gRPC, for SOAK_S seconds; fails on a lost or wrong answer or any python backend stub crash.

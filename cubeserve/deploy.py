@@ -164,8 +164,15 @@ def server_command(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
 # DRAIN_TIMEOUT_S; then the kubelet's SIGTERM stops tritonserver, with nothing left in flight.
 DRAIN_SETTLE_S = 5
 DRAIN_TIMEOUT_S = REQUEST_TIMEOUT_S  # a request accepted just before the drain has this long
-# The hook's longest run: the drain's timeout plus starting python and the last metrics poll.
-PRESTOP_MAX_S = DRAIN_TIMEOUT_S + 10
+# How often Prometheus scrapes the metrics port (k8s/monitoring/: the PodMonitor's and the
+# scrape config's interval). Once drained, the hook also waits this long after the counters last
+# changed, plus DRAIN_SCRAPE_MARGIN_S for the scrape itself, so that a scrape has the pod's final
+# counts before it exits: the usage of its last seconds is billed (cubeserve usage).
+SCRAPE_INTERVAL_S = 15
+DRAIN_SCRAPE_MARGIN_S = 2
+# The hook's longest run: the drain's timeout, the wait for a scrape, starting python and the
+# last metrics poll.
+PRESTOP_MAX_S = DRAIN_TIMEOUT_S + SCRAPE_INTERVAL_S + DRAIN_SCRAPE_MARGIN_S + 10
 # The pod's terminationGracePeriodSeconds, which the preStop hook and then tritonserver's own
 # shutdown (at most EXIT_TIMEOUT_S: it waits for clients' open keep-alive connections to close,
 # and for anything the drain gave up on) share before the kubelet kills the container. Only a
@@ -175,10 +182,12 @@ TERMINATION_GRACE_PERIOD_S = PRESTOP_MAX_S + EXIT_TIMEOUT_S + 30
 
 
 def drain_command(http_port: int = TRITON_HTTP_PORT, metrics_port: int = METRICS_PORT,
-                  timeout: float = DRAIN_TIMEOUT_S, settle: float = DRAIN_SETTLE_S) -> list[str]:
+                  timeout: float = DRAIN_TIMEOUT_S, settle: float = DRAIN_SETTLE_S,
+                  scrape_interval: float = SCRAPE_INTERVAL_S) -> list[str]:
     """The preStop hook's command (the image's python3, as the supervisor's)."""
     return [SUPERVISOR[0], "-m", "cubeserve.serving.drain", f"--http-port={http_port}",
-            f"--metrics-port={metrics_port}", f"--timeout={timeout:g}", f"--settle={settle:g}"]
+            f"--metrics-port={metrics_port}", f"--timeout={timeout:g}", f"--settle={settle:g}",
+            f"--scrape-interval={scrape_interval:g}"]
 
 
 PRESTOP_COMMAND = drain_command()

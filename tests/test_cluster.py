@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cubeserve import deploy
+
 import cluster_stack as cs
 import go_programs
 import kserve_standin
@@ -253,7 +255,7 @@ def test_every_raw_overlay_is_accepted_and_reconciled_to_ready_pods(stack, ns):
             pod = ready_pod(stack, space, f"{name}-predictor")
             assert pod["spec"]["nodeName"] in cs.NODES
             assert pod["spec"]["serviceAccountName"] == "cube-serve-predictor"
-            assert pod["spec"]["terminationGracePeriodSeconds"] == 1240
+            assert pod["spec"]["terminationGracePeriodSeconds"] == deploy.TERMINATION_GRACE_PERIOD_S == 1257
             container = next(c for c in pod["spec"]["containers"] if c["name"] == "kserve-container")
             assert container["lifecycle"]["preStop"]["exec"]["command"][:3] == ["python3", "-m", "cubeserve.serving.drain"]
             initializers = [c["name"] for c in pod["spec"].get("initContainers") or ()]

@@ -390,7 +390,8 @@ def test_a_drained_server_held_by_an_idle_connection_is_stopped_after_the_grace(
         idle = http.client.HTTPConnection("127.0.0.1", server.triton_http_port, timeout=10)
         idle.request("GET", deploy.READY_PATH)
         assert idle.getresponse().read() == b""  # answered; the connection stays open, idle
-        hook = [sys.executable, *deploy.drain_command(server.triton_http_port, server.metrics_port, settle=0.5)[1:]]
+        hook = [sys.executable, *deploy.drain_command(server.triton_http_port, server.metrics_port, settle=0.5,
+                                                          scrape_interval=0)[1:]]
         assert subprocess.run(hook, capture_output=True, text=True, timeout=120).returncode == 0
         server.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -421,16 +422,24 @@ class _Clock:
         self.elapsed += seconds
 
 
-def _drain_with_nothing_in_flight(monkeypatch, tmp_path, run) -> tuple[int, list[float], _Clock]:
-    """`run()` (a drain) against a server with no request in progress from the first look:
-    (its exit status, the clock at each look at the metrics, the clock)."""
+def _drain_with_nothing_in_flight(monkeypatch, tmp_path, run, requests_at=()) -> tuple[int, list[float], _Clock]:
+    """`run()` (a drain) against a server with no request in progress from the first look, whose
+    counters show one more request at each look at or past each time in `requests_at` (a request
+    refused or answered then): (its exit status, the clock at each look at the metrics, the clock)."""
     from cubeserve.serving import drain as drain_module
 
     clock, looks = _Clock(), []
+
+    def metrics_text(url):
+        looks.append(clock.elapsed)
+        answered = sum(1 for t in requests_at if clock.elapsed >= t)
+        return (f'{IN_PROGRESS_METRIC}{{model="cube3d",version="1"}} 0\n'
+                f'cube3d_tenant_requests_total{{model="cube3d",tenant="team-a",outcome="ok"}} {answered}\n')
+
     monkeypatch.setattr(drain_module, "time", clock)
     monkeypatch.setattr(drain_module, "find_tritonserver", lambda port: 4242)
     monkeypatch.setattr(drain_module, "marker_path", lambda pid: tmp_path / f"marker-{pid}")
-    monkeypatch.setattr(drain_module, "in_progress", lambda url: looks.append(clock.elapsed) or 0)
+    monkeypatch.setattr(drain_module, "_metrics", metrics_text)
     status = run(drain_module)
     assert (tmp_path / "marker-4242").exists()  # new requests were refused from the start
     return status, looks, clock
@@ -445,8 +454,31 @@ def test_a_drain_with_nothing_in_flight_still_waits_the_settle_time(monkeypatch,
         monkeypatch, tmp_path, lambda d: d.drain(8010, 8002, timeout=60, settle=2.0, poll=0.5, out=out))
     assert status == 0 and looks == [0.0, 0.5, 1.0, 1.5, 2.0] and clock.elapsed == 2.0
     assert "drained in 2.0 s" in out.getvalue()
-    # The command line's --settle, and deploy.DRAIN_SETTLE_S without it (the preStop hook's).
-    status, looks, clock = _drain_with_nothing_in_flight(monkeypatch, tmp_path, lambda d: d.main(["--settle", "1"]))
+    # The command line's --settle (without a Prometheus to wait for).
+    status, looks, clock = _drain_with_nothing_in_flight(
+        monkeypatch, tmp_path, lambda d: d.main(["--settle", "1", "--scrape-interval", "0"]))
     assert status == 0 and looks[-1] == clock.elapsed == 1.0
+
+
+def test_a_drain_returns_only_after_a_scrape_of_the_last_counts(monkeypatch, tmp_path):
+    """Prometheus scrapes every --scrape-interval: the drain returns that long (plus the margin)
+    after the look that saw the counters' last change, and no sooner after its first look (a
+    request answered just before the drain began is not scraped yet either), so that a scrape has
+    the pod's final counts (tests/test_usage.py: the pod's last requests are billed)."""
+    margin = deploy.DRAIN_SCRAPE_MARGIN_S
+    # Nothing changes: one interval from the first look, past the settle time.
+    status, looks, clock = _drain_with_nothing_in_flight(
+        monkeypatch, tmp_path, lambda d: d.main(["--settle", "1", "--scrape-interval", "4"]))
+    assert status == 0 and clock.elapsed == 4 + margin
+    # Requests refused at 3 s and 7.2 s (seen at the look at 7.5 s): 7.5 + 4 + margin.
+    status, looks, clock = _drain_with_nothing_in_flight(
+        monkeypatch, tmp_path, lambda d: d.main(["--settle", "1", "--scrape-interval", "4"]), requests_at=(3, 7.2))
+    assert status == 0 and clock.elapsed == 7.5 + 4 + margin
+    # The preStop hook's defaults: the settle time, then the scrape interval of k8s/monitoring.
     status, looks, clock = _drain_with_nothing_in_flight(monkeypatch, tmp_path, lambda d: d.main([]))
-    assert status == 0 and looks[-1] == clock.elapsed == deploy.DRAIN_SETTLE_S > 0
+    assert status == 0 and looks[-1] == clock.elapsed == max(deploy.DRAIN_SETTLE_S,
+                                                            deploy.SCRAPE_INTERVAL_S + margin)
+    assert deploy.PRESTOP_MAX_S >= deploy.DRAIN_TIMEOUT_S + deploy.SCRAPE_INTERVAL_S + margin
+    # Bad input names the flag.
+    with pytest.raises(SystemExit):
+        _drain_with_nothing_in_flight(monkeypatch, tmp_path, lambda d: d.main(["--scrape-interval", "-1"]))

@@ -321,7 +321,9 @@ def test_the_raw_overlays_drain_a_pod_before_it_stops(overlay):
         # it finds tritonserver by its own REST port (behind the front end)
         assert (options.http_port, options.metrics_port) == (deploy.TRITON_HTTP_PORT, deploy.METRICS_PORT)
         assert options.timeout == deploy.DRAIN_TIMEOUT_S >= deploy.REQUEST_TIMEOUT_S
-        assert deploy.PRESTOP_MAX_S > options.timeout + options.settle
+        assert options.scrape_interval == deploy.SCRAPE_INTERVAL_S  # k8s/monitoring's (tests/test_monitoring.py)
+        assert deploy.PRESTOP_MAX_S > options.timeout + max(options.settle, options.scrape_interval
+                                                            + deploy.DRAIN_SCRAPE_MARGIN_S)
         grace = predictor["terminationGracePeriodSeconds"]
         assert grace == deploy.TERMINATION_GRACE_PERIOD_S
         assert grace >= deploy.REQUEST_TIMEOUT_S + deploy.PRESTOP_MAX_S

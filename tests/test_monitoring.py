@@ -28,7 +28,9 @@ COUNTERS = {m.REQUESTS, m.MESHES, m.SHADOW_REQUESTS,
 HISTOGRAMS = {m.REQUEST_DURATION, m.TIME_PER_OUTPUT_TOKEN, m.QUEUE_TIME, m.SHADOW_DURATION, m.SHADOW_AGREEMENT}
 # The gauge of the requests each model instance holds (serving/triton_common.py's Drain; the drain
 # and the autoscalers read it): labels model, version, instance.
-GAUGES = {IN_PROGRESS_METRIC}
+# When each server process started (`cubeserve usage` tells the processes apart): model, version.
+START_TIME = {m.SERVER_START_TIME}
+GAUGES = {IN_PROGRESS_METRIC, *START_TIME}
 # The labels of those series (metrics.py's docstring), and those the scrape adds.
 SERIES_LABELS = {"model", "version", "arm", "outcome", "quality", "measure", "baseline", "tenant", "gateway_model",
                  "le", "instance"}
@@ -91,7 +93,7 @@ def unknown_metrics(expr: str) -> list[str]:
 
 def test_metrics_py_defines_exactly_the_series_checked_here():
     defined = {v for k, v in vars(m).items() if k.isupper() and isinstance(v, str) and v.startswith("cube3d_")}
-    assert defined == COUNTERS | HISTOGRAMS
+    assert defined == COUNTERS | HISTOGRAMS | START_TIME
 
 
 def test_the_name_check_finds_what_it_must():
@@ -376,12 +378,15 @@ def test_the_pod_monitor_scrapes_the_metrics_port_and_keeps_the_labels():
     # port (the runtime declares REST only), so `port: ...` would match nothing.
     assert "port" not in endpoint and "targetPort" not in endpoint
     assert spec["podTargetLabels"] == ["serving.kserve.io/inferenceservice"]
+    # The preStop drain waits this long for a scrape of a pod's last counts (serving/drain.py).
+    assert endpoint["interval"] == f"{deploy.SCRAPE_INTERVAL_S}s"
 
 
 def test_the_plain_scrape_config_is_the_same_scrape_and_valid(tmp_path):
     config = yaml.safe_load((MONITORING / "scrape-config.yaml").read_text())
     [job] = config["scrape_configs"]
     assert job["metrics_path"] == deploy.METRICS_PATH and job["honor_labels"] is True
+    assert job["scrape_interval"] == f"{deploy.SCRAPE_INTERVAL_S}s"  # as the PodMonitor's
     assert "metric_relabel_configs" not in job
     scraped = [t for t in (relabel(job["relabel_configs"], t) for t in pod_targets()) if t]
     assert len(scraped) == 1 and scraped[0]["__address__"] == f"10.1.2.3:{deploy.METRICS_PORT}"

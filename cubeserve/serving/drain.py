@@ -26,6 +26,11 @@ waits for what they accepted:
   gauges on the metrics port), at least `--settle` seconds (the time kube-proxy and ingress
   controllers take to drop the terminating pod from the Service: meanwhile new connections still
   get a clean 503, not a reset), at most `--timeout` seconds;
+* and until Prometheus has scraped the final counts: `--scrape-interval` (plus
+  deploy.DRAIN_SCRAPE_MARGIN_S) after the counters (cube3d_*_total) last changed, counted from
+  the drain's start at least, since a scrape starts in every interval. Without that a pod that
+  exits right after its last requests (or after refusing some) takes their counts with it, and
+  `cubeserve usage` never sees them;
 * then it exits, and the kubelet's SIGTERM (through cubeserve's supervisor, which forwards it and
   waits) finds nothing left to wait for: Triton's own shutdown above is quick.
 
@@ -33,6 +38,7 @@ A terminating pod leaves its Service's ready endpoints whatever its readiness pr
 Triton's readiness staying 200 during the drain sends no traffic to it.
 
     python -m cubeserve.serving.drain [--http-port 8010] [--metrics-port 8002] [--timeout S] [--settle S]
+                                      [--scrape-interval S]
 
 Exit status: 0 drained (or no server to drain), 1 requests still in progress at the timeout.
 """
@@ -49,10 +55,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from cubeserve import deploy
+
 # Requests a model instance has accepted and not answered yet (triton_common.InProgress).
 IN_PROGRESS_METRIC = "cube3d_requests_in_progress"
 
 _SAMPLE = re.compile(rf"^{IN_PROGRESS_METRIC}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+# cube-serve's counters (serving/metrics.py), whose last values Prometheus must scrape.
+_COUNT = re.compile(r"^cube3d_\w+_total(?:{[^}]*})? [0-9.e+-]+$", re.M)
 
 
 def _start_time(pid: int) -> str | None:
@@ -99,19 +109,28 @@ def find_tritonserver(http_port: int) -> int | None:
     return None
 
 
-def in_progress(metrics_url: str) -> int | None:
-    """Requests the models have accepted and not answered (the sum of their gauges); None when
-    the metrics endpoint does not answer (the server is gone or stopping)."""
+def _metrics(metrics_url: str) -> str | None:
+    """The metrics endpoint's text; None when it does not answer (the server is gone or stopping)."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=5) as reply:
-            text = reply.read().decode()
+            return reply.read().decode()
     except (urllib.error.URLError, OSError):
         return None
+
+
+def _in_progress(text: str) -> int:
     return round(sum(float(v) for v in _SAMPLE.findall(text)))
 
 
-def drain(http_port: int, metrics_port: int, timeout: float, settle: float, poll: float = 0.5,
-          out=sys.stdout) -> int:
+def in_progress(metrics_url: str) -> int | None:
+    """Requests the models have accepted and not answered (the sum of their gauges); None when
+    the metrics endpoint does not answer."""
+    text = _metrics(metrics_url)
+    return None if text is None else _in_progress(text)
+
+
+def drain(http_port: int, metrics_port: int, timeout: float, settle: float, scrape_interval: float = 0.0,
+          poll: float = 0.5, out=sys.stdout) -> int:
     def say(message: str) -> None:
         print(f"cubeserve drain: {message}", file=out, flush=True)
 
@@ -124,22 +143,33 @@ def drain(http_port: int, metrics_port: int, timeout: float, settle: float, poll
     say(f"tritonserver {pid} refuses new requests from now on; waiting for those in progress "
         f"(at most {timeout:g} s)")
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-    start = time.monotonic()
+    # The wait for a scrape is counted from the look that saw the counters' last change (or the
+    # first look): the change was no later, and a scrape starts within every interval after it.
+    scrape_wait = scrape_interval + deploy.DRAIN_SCRAPE_MARGIN_S if scrape_interval > 0 else 0.0
+    start = changed = time.monotonic()
+    counts = None
     while True:
-        left = in_progress(metrics_url)
+        text = _metrics(metrics_url)
         elapsed = time.monotonic() - start
-        if not left and elapsed >= settle:
-            say(f"drained in {elapsed:.1f} s" if left == 0 else "the metrics endpoint is gone: stopping")
-            return 0
-        if elapsed >= timeout:
+        if text is None:
+            if elapsed >= settle:
+                say("the metrics endpoint is gone: stopping")
+                return 0
+            left = None
+        else:
+            left = _in_progress(text)
+            if _COUNT.findall(text) != counts:
+                changed, counts = time.monotonic(), _COUNT.findall(text)
+            if left == 0 and elapsed >= settle and time.monotonic() - changed >= scrape_wait:
+                say(f"drained in {elapsed:.1f} s")
+                return 0
+        if left and elapsed >= timeout:  # (the wait for a scrape may go past it: deploy.PRESTOP_MAX_S)
             say(f"{left} requests still in progress after {elapsed:.0f} s: giving up")
             return 1
         time.sleep(poll)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cubeserve import deploy
-
     parser = argparse.ArgumentParser(prog="python -m cubeserve.serving.drain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--http-port", type=int, default=deploy.TRITON_HTTP_PORT,
@@ -149,12 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for requests in progress at most")
     parser.add_argument("--settle", type=float, default=deploy.DRAIN_SETTLE_S,
                         help="seconds to wait at least (for the endpoints to drop the pod)")
+    parser.add_argument("--scrape-interval", type=float, default=deploy.SCRAPE_INTERVAL_S,
+                        help="Prometheus's scrape interval of the metrics port: once drained, wait this long "
+                             f"(+{deploy.DRAIN_SCRAPE_MARGIN_S} s) after the counters last changed, so that a scrape "
+                             "has the final counts (0: no Prometheus, no wait)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return drain(args.http_port, args.metrics_port, args.timeout, args.settle)
+    for name in ("timeout", "settle", "scrape_interval"):
+        if getattr(args, name) < 0:
+            build_parser().error(f"--{name.replace('_', '-')}: seconds, 0 or more, got {getattr(args, name):g}")
+    return drain(args.http_port, args.metrics_port, args.timeout, args.settle, args.scrape_interval)
 
 
 if __name__ == "__main__":

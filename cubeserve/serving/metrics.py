@@ -30,6 +30,13 @@ by the predict model, `version` the one that served; `cubeserve usage` reads the
 file), "other" for any other value a client sent past the gateway, "" without one.
 `gateway_model` (the gateway's name of the model a request was sent to; `model` is Triton's)
 likewise: one of the names in $CUBE3D_MODELS, "other", or "".
+When the counters began, set by the predict model before it counts anything:
+    cube3d_server_start_time_seconds                 gauge, when tritonserver started (Unix time),
+                                                      the same for every version of the server
+A server's counters start at 0 with its tritonserver process, so `cubeserve usage` takes a change
+of this value between two scrapes of one address for a reset, even one the counters do not show
+by dropping, and counts all of a server started in its window, samples before its first scrape
+included.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ TENANT_REQUESTS = "cube3d_tenant_requests_total"
 TENANT_OBJECTS = "cube3d_tenant_objects_total"
 TENANT_SHAPE_TOKENS = "cube3d_tenant_shape_tokens_total"
 TENANT_ENGINE_SECONDS = "cube3d_tenant_engine_seconds_total"
+SERVER_START_TIME = "cube3d_server_start_time_seconds"
 
 # outcome label values
 OK = "ok"

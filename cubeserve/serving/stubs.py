@@ -31,6 +31,17 @@ def _stat_fields(pid_dir: Path) -> list[str] | None:
         return None
 
 
+def started_at(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch (None once it is gone): its
+    /proc/<pid>/stat starttime (clock ticks since boot) plus the boot time (/proc/stat's btime)."""
+    fields = _stat_fields(Path(f"/proc/{pid}"))
+    if not fields:
+        return None
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
 def _parents() -> dict[int, int]:
     """{pid: parent pid} of every process now."""
     parents = {}

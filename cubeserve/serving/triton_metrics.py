@@ -50,6 +50,8 @@ _FAMILIES = {
     names.TENANT_OBJECTS: ("Meshes made per tenant", "COUNTER", None),
     names.TENANT_SHAPE_TOKENS: ("Shape tokens generated per tenant", "COUNTER", None),
     names.TENANT_ENGINE_SECONDS: ("Engine seconds (decode and geometry) per tenant", "COUNTER", None),
+    names.SERVER_START_TIME: ("When this tritonserver process started, Unix time (its counters started at 0 then)",
+                              "GAUGE", None),
     names.SHADOW_AGREEMENT: ("Agreement of a shadow's answer with the served one (tokens: share of equal "
                              "tokens, greedy requests; mesh_iou: sampled requests)", "HISTOGRAM",
                              names.AGREEMENT_BUCKETS),
@@ -86,7 +88,17 @@ class Measurements:
         with _LOCK:
             self._metric(name, labels).observe(value)
 
+    def set(self, name: str, labels: dict[str, str], value: float) -> None:
+        with _LOCK:
+            self._metric(name, labels).set(value)
+
     # -- what the models record -------------------------------------------------------------------
+
+    def started(self, version, seconds: float) -> None:
+        """When tritonserver started (serving/metrics.py): set before any counter of this process,
+        so that every scrape with a count says which process counted it."""
+        self.set(names.SERVER_START_TIME, {"version": str(version)}, seconds)
+
 
     def loaded(self, version) -> None:
         """The version's answered-request series, at zero from its load on: a version that never

@@ -41,7 +41,7 @@ from cubeserve.serving import agreement, experiment, protocol
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving.experiment import Experiment
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
-from cubeserve.serving.stubs import release_backend_objects, stub_alive
+from cubeserve.serving.stubs import release_backend_objects, started_at, stub_alive
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters
 from cubeserve.serving.triton_metrics import Measurements
 
@@ -193,6 +193,7 @@ class PredictModel:
         self.server_pid = os.getppid()  # the stub is a child of tritonserver
         self.drain = Drain(args)
         self.measurements = Measurements(args["model_name"])
+        self.measurements.started(self.version, started_at(self.server_pid) or time.time())
         self.measurements.loaded(self.version)
         self.tenants = metric_names.known_tenants(os.environ.get(metric_names.TENANTS_ENV))
         self.models = metric_names.known_tenants(os.environ.get(metric_names.MODELS_ENV))
