@@ -158,7 +158,8 @@ node: control-plane
 	nice -n 10 $(PYTHON) cluster/build.py node
 
 # The runtime image as the pods KServe creates, on that node (tests/test_node.py, marker `node`; not
-# part of `make test`): the whole run in a network and mount namespace of its own (tests/netns.py),
-# as root.
+# part of `make test`): the images built first (podman; their pip installs need the package index),
+# then the whole run in a network and mount namespace of its own (tests/netns.py), as root.
 node-test: install node
+	$(PY) tests/node_stack.py images
 	$(PYTHON) tests/netns.py -- $(PY) -m pytest -q -m node tests/test_node.py --durations=10

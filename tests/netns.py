@@ -14,15 +14,19 @@ from __future__ import annotations
 import os
 import sys
 
-INSIDE_ENV = "CUBESERVE_NODE_NETNS"  # set inside, for the tests to check where they run
+# Set inside to the network namespace (its inode) that the run was started from, so that the
+# tests can tell they run in another (PID 1's may not be readable, even by root).
+INSIDE_ENV = "CUBESERVE_NODE_NETNS"
+
+
+def _namespace() -> int:
+    return os.stat("/proc/self/ns/net").st_ino
 
 
 def own_network_namespace() -> bool:
-    """Whether this process runs in a network namespace other than the machine's (PID 1's)."""
-    try:
-        return os.stat("/proc/self/ns/net").st_ino != os.stat("/proc/1/ns/net").st_ino
-    except OSError:  # /proc/1 unreadable: not root, and then not inside either
-        return False
+    """Whether this process runs in a network namespace that tests/netns.py made."""
+    outside = os.environ.get(INSIDE_ENV, "")
+    return outside.isdigit() and int(outside) != _namespace()
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +34,7 @@ def main(argv: list[str]) -> int:
         argv = argv[1:]
     if not argv:
         raise SystemExit(__doc__)
-    if os.environ.get(INSIDE_ENV) and own_network_namespace():
+    if own_network_namespace():
         os.execvp(argv[0], argv)
     if os.geteuid() != 0:
         raise SystemExit("tests/netns.py: the node tests need root (network and mount namespaces, cgroups, containers)")
@@ -38,7 +42,7 @@ def main(argv: list[str]) -> int:
     # network namespace files) never appear outside.
     script = "ip link set lo up && exec \"$@\""
     os.execvpe("unshare", ["unshare", "--net", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
-                           *argv], {**os.environ, INSIDE_ENV: "1"})
+                           *argv], {**os.environ, INSIDE_ENV: str(_namespace())})
 
 
 if __name__ == "__main__":

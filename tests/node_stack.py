@@ -78,6 +78,29 @@ def pause_image(workdir: Path) -> str:
     return PAUSE_IMAGE
 
 
+RUNTIME_IMAGE = "localhost/cube-serve-node-test:current"  # not `latest`: IfNotPresent, never pulled
+
+
+def build_images(workdir: Path, say=print) -> None:
+    """The pause image and k8s/Dockerfile built FROM the Triton base, as RUNTIME_IMAGE (the one it
+    replaces removed). Outside the tests' network namespace (`make node-test` runs this first):
+    the image's pip install reaches the package index, which nothing inside the namespace can."""
+    import image_build as ib
+
+    ib.require_podman()
+    t0 = time.monotonic()
+    pause_image(workdir / "pause")
+    base = ib.ensure_triton_base(workdir / "base")
+    old = ib.image_id(RUNTIME_IMAGE) if ib.image_exists(RUNTIME_IMAGE) else None
+    log = workdir / "image-build.log"
+    result = ib.build_image(RUNTIME_IMAGE, base, workdir, log)
+    if result.returncode:
+        raise SystemExit(f"podman build -f k8s/Dockerfile failed:\n{log.read_text()[-5000:]}")
+    if old and old != ib.image_id(RUNTIME_IMAGE):
+        ib.remove_image(old)
+    say(f"{RUNTIME_IMAGE} (k8s/Dockerfile FROM {base}) and {PAUSE_IMAGE} built in {time.monotonic() - t0:.0f} s")
+
+
 # -- the node -------------------------------------------------------------------------------------
 
 class Node:
@@ -185,7 +208,9 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         t0 = time.monotonic()
         save = subprocess.Popen(["podman", "save", "--format", "oci-archive", ref], stdout=subprocess.PIPE)
         try:
-            self.ctr("images", "import", "--snapshotter=overlayfs", "-", stdin=save.stdout, timeout=1200)
+            # The layers' blobs go once unpacked: the runtime image is 7 GB, unpacked as well.
+            self.ctr("images", "import", "--snapshotter=overlayfs", "--local", "--discard-unpacked-layers", "-",
+                     stdin=save.stdout, timeout=1200)
         finally:
             save.stdout.close()
             code = save.wait(60)
@@ -228,11 +253,38 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         # the existing object over (labels, addresses, capacity, conditions).
         self.stack.kubectl("create", "-f", "-", input=json.dumps({
             "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_NAME, "labels": {"kubernetes.io/hostname": NODE_NAME}}}))
-        self.stack._start("kubelet", [binary("kubernetes-node", "kubelet"), f"--config={d / 'config.yaml'}",
-                                      f"--kubeconfig={kubeconfig}", f"--root-dir={d / 'root'}",
-                                      f"--hostname-override={NODE_NAME}", "--v=2"])
+        self.kubelet_args = [binary("kubernetes-node", "kubelet"), f"--config={d / 'config.yaml'}",
+                             f"--kubeconfig={kubeconfig}", f"--root-dir={d / 'root'}",
+                             f"--hostname-override={NODE_NAME}", "--v=2"]
+        self._start_kubelet()
+
+    def _start_kubelet(self) -> None:
+        self.stack._start("kubelet", self.kubelet_args)
         self.stack._wait("the kubelet's /healthz", lambda: self.stack._get(
             f"http://127.0.0.1:{self.ports['kubelet-healthz']}/healthz") == "ok", 90)
+
+    def kill_kubelet(self) -> None:
+        """SIGKILL to the kubelet (its pods run on under their shims)."""
+        [(name, proc)] = [(n, p) for n, p in self.stack.processes if n == "kubelet"]
+        proc.kill()
+        proc.wait(10)
+        self.stack.processes.remove((name, proc))
+
+    def restart_kubelet(self) -> None:
+        self._start_kubelet()
+        self.stack._wait(f"node {NODE_NAME} Ready again", self._ready, 120)
+
+    def pod_processes(self, needle: bytes) -> list[int]:
+        """PIDs of the node's pods' processes (in its cgroups) whose command line holds `needle`."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and needle in _cmdline(int(proc.name)):
+                try:
+                    if self.cgroup_root in (proc / "cgroup").read_text():
+                        found.append(int(proc.name))
+                except OSError:
+                    pass
+        return found
 
     def _kube_proxy(self) -> None:
         p, d = self.stack.pki, self.root / "kube-proxy"
@@ -300,6 +352,7 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
         for mount in sorted((m for m in mounts if m.startswith(str(self.root))), key=len, reverse=True):
             subprocess.run(["umount", "-l", mount], capture_output=True)
+        shutil.rmtree(self.containerd_dir, ignore_errors=True)  # the unpacked images: 7 GB
 
 
 def _processes_of(executable: str) -> list[int]:
@@ -318,3 +371,13 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+if __name__ == "__main__":  # python3 tests/node_stack.py images  (make node-test)
+    import sys
+    import tempfile
+
+    if sys.argv[1:] != ["images"]:
+        raise SystemExit("usage: python3 tests/node_stack.py images")
+    with tempfile.TemporaryDirectory(prefix="cube-serve-node-images-") as folder:
+        build_images(Path(folder))
