@@ -30,10 +30,20 @@ ROUNDS = {"ready": 400, "refused infer": 200, "generation": 32}
 KEY = "bench-key-" + "0" * 40
 
 
+def bench_gateway_config(backends: list[str]):
+    """The gateway the benchmarks measure: one tenant (KEY) whose quota never binds, on a free port."""
+    from cubeserve.gateway import config as gateway_config
+    from cubeserve.serving.local_triton import free_port
+
+    return gateway_config.parse({
+        "listen": f"127.0.0.1:{free_port()}", "backends": backends,
+        "tenants": [{"id": "bench", "keys": [KEY], "quota": {"shape_tokens": (1 << 32) - 1, "per": "1h",
+                                                              "max_in_flight": 64}}]})
+
+
 def run(config: str = "tiny") -> tuple[list[Record], list[str]]:
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.deploy import STREAM_MODEL
-    from cubeserve.gateway import config as gateway_config
     from cubeserve.gateway.envoy import Gateway
     from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
 
@@ -41,10 +51,7 @@ def run(config: str = "tiny") -> tuple[list[Record], list[str]]:
         repo = copy_model_repository(Path(tmp) / "models")
         write_random_weights(config, repo / STREAM_MODEL / "1" / "weights", seed=0)
         with LocalTriton(repo, free_port(), free_port(), free_port()) as server:
-            cfg = gateway_config.parse({
-                "listen": f"127.0.0.1:{free_port()}", "backends": [server.http_url],
-                "tenants": [{"id": "bench", "keys": [KEY], "quota": {"shape_tokens": (1 << 32) - 1, "per": "1h",
-                                                                      "max_in_flight": 64}}]})
+            cfg = bench_gateway_config([server.http_url])
             with Gateway(cfg, Path(tmp) / "gateway") as gateway:
                 gateway.wait_healthy()
                 ports = {"gateway": cfg.listen[1], "server alone": server.http_port}

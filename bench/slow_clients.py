@@ -25,8 +25,8 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import hardware
+from bench.gateway import KEY, bench_gateway_config
 
-KEY = "bench-key-" + "0" * 40
 HEAD = b"POST /v2/models/cube3d/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Pad: " + b"a" * 4096
 WATCH_S = 30.0  # how long each attack is watched
 
@@ -111,7 +111,6 @@ def main() -> None:
     args = parser.parse_args()
     from cubeserve import deploy
     from cubeserve.checkpoint import write_random_weights
-    from cubeserve.gateway import config as gateway_config
     from cubeserve.gateway.envoy import Gateway
     from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
 
@@ -127,10 +126,7 @@ def main() -> None:
             print("REST front end:")
             print("\n".join(attack(server.http_port, f"http://{server.http_url}{deploy.READY_PATH}", {},
                                    args.slow, args.silent)))
-            cfg = gateway_config.parse({
-                "listen": f"127.0.0.1:{free_port()}", "backends": [server.http_url],
-                "tenants": [{"id": "bench", "keys": [KEY], "quota": {"shape_tokens": (1 << 32) - 1, "per": "1h",
-                                                                      "max_in_flight": 64}}]})
+            cfg = bench_gateway_config([server.http_url])
             with Gateway(cfg, Path(tmp) / "gateway") as gateway:
                 gateway.wait_healthy()
                 print("gateway:")
