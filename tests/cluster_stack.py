@@ -108,6 +108,20 @@ def _killed_with_this_process():
     return in_child
 
 
+def wait_for(what: str, check: Callable, timeout: float = 60.0, detail: Callable[[], str] = lambda: "",
+             poll: float = 0.5):
+    """check()'s first true value, polled; an AssertionError naming `what` and adding detail()
+    (logs, events) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail()}")
+        time.sleep(poll)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -114,17 +114,12 @@ def rollout(stack, ns: str, *args: str, kubeconfig: Path | None = None) -> tuple
 
 
 def wait_for(what: str, check, timeout: float = 60.0, stack=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            lines = stack.log_tail("kserve-manager", 6).splitlines() if stack else []
-            tail = "".join(f"\n  {line[:400]}" for line in lines)
-            tail = f"\nthe end of KServe's log:{tail}" if tail else ""
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{tail}")
-        time.sleep(0.5)
+    def kserve_log() -> str:  # the end of KServe's log, where it says why it did not reconcile
+        lines = stack.log_tail("kserve-manager", 6).splitlines() if stack else []
+        tail = "".join(f"\n  {line[:400]}" for line in lines)
+        return f"\nthe end of KServe's log:{tail}" if tail else ""
+
+    return cs.wait_for(what, check, timeout, kserve_log)
 
 
 def condition(obj: dict, kind: str) -> dict:

@@ -83,17 +83,11 @@ def namespace(node, name: str) -> str:
 
 
 def wait_for(what: str, check, timeout: float, node=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = ""
-            if node is not None:
-                detail = "\n" + node.stack.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}{detail}")
-        time.sleep(1)
+    def events() -> str:
+        return "" if node is None else "\n" + node.stack.kubectl(
+            "get", "events", "-A", "--sort-by=.lastTimestamp", check=False).stdout[-4000:]
+
+    return cs.wait_for(what, check, timeout, events, poll=1)
 
 
 def ready_pods(node, ns: str, selector: str) -> list[dict]:
