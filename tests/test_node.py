@@ -165,10 +165,10 @@ def test_the_runtime_image_serves_a_mesh_as_a_pod_of_the_real_node_through_its_s
 
 class Clients:
     """Threads generating through the Service, with the client's retries (6: about a minute of
-    backoff), until stopped; every answer's outcome kept."""
+    backoff; 8: four minutes), until stopped; every answer's outcome kept."""
 
-    def __init__(self, url: str, threads: int = 2):
-        self.url, self.stop, self.done, self.failed = url, threading.Event(), [], []
+    def __init__(self, url: str, threads: int = 2, retries: int = 6):
+        self.url, self.retries, self.stop, self.done, self.failed = url, retries, threading.Event(), [], []
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
         for thread in self.threads:
             thread.start()
@@ -176,7 +176,7 @@ class Clients:
     def _run(self) -> None:
         from cube3d_client import Cube3DClient
 
-        with Cube3DClient(self.url, retries=6, timeout=120) as client:
+        with Cube3DClient(self.url, retries=self.retries, timeout=120) as client:
             while not self.stop.is_set():
                 try:
                     result = client.generate("a round table", seed=0, resolution=5)
@@ -232,14 +232,19 @@ def test_the_kubelet_killed_and_started_again_leaves_the_pod_serving(node, serve
 
 def test_a_pod_deleted_mid_request_finishes_it_and_its_replacement_serves(node, served, tmp_path):
     """`kubectl delete pod` with generations in flight: the preStop drain lets them finish (the
-    pod leaves the Service at once), the Deployment's new pod serves the retried requests."""
+    pod leaves the Service at once), the Deployment's new pod serves the retried requests. One
+    replica that asks for all of the node's CPUs: the new pod is scheduled only once the old one
+    has drained (the drain waits a scrape interval after its last request), so the Service has no
+    pod for most of a minute, and the clients retry for up to four."""
     pod = the_pod(node, served)
-    clients = Clients(f"{served.ip}:80")
+    clients = Clients(f"{served.ip}:80", retries=8)
     try:
         wait_for("answers before the deletion", lambda: len(clients.done) >= 2, 120)
         node.stack.kubectl("delete", "pod", pod["metadata"]["name"], "-n", served.ns, "--wait=false")
+        deleted = time.monotonic()
         replacement = wait_for("a new pod Ready", lambda: [
             p for p in ready_pods(node, served.ns, APP) if p["metadata"]["uid"] != pod["metadata"]["uid"]], 600, node)
+        print(f"the new pod was Ready {time.monotonic() - deleted:.0f} s after the deletion", flush=True)
         served_before = len(clients.done)
         wait_for("answers from the new pod", lambda: len(clients.done) >= served_before + 2, 180)
     finally:
