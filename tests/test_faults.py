@@ -502,6 +502,34 @@ def test_a_crashed_tritonserver_is_started_again_or_the_container_exits(repo, tm
         assert code == 200, reply
 
 
+def test_the_shared_memory_of_a_killed_server_is_removed_by_the_next_start(repo, tmp_path):
+    """kill -9 of every process of a server at once (a container killed whole: its grace period
+    over, an out-of-memory kill of the group): nothing runs to remove the python backend's
+    regions, which in a pod stay in its memory-backed /dev/shm across container restarts and
+    count against its memory. The next start removes those that no process maps."""
+    from cubeserve.serving.stubs import python_stubs, shm_regions
+
+    with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "first.log",
+                     supervised=True) as first:
+        tree = process_tree(first.process.pid)
+        regions = [Path("/dev/shm", r) for r in shm_regions(python_stubs(tritonserver_pid(first)))]
+        assert len(regions) == 2
+        for pid in tree:
+            os.kill(pid, signal.SIGKILL)
+        first.process.wait(10)
+        wait_for(lambda: all(_gone(pid) for pid in tree), timeout=60)
+    left = [r for r in regions if r.exists()]
+    assert left, "the killed server's regions were removed by something else: this test shows nothing"
+    for region in left:  # as if the restart came a while later (regions younger than 60 s are kept)
+        os.utime(region, (time.time() - 120, time.time() - 120))
+    with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "second.log",
+                     supervised=True) as second:
+        assert not [r for r in left if r.exists()]
+        assert f"removed {len(left)} python backend shared-memory regions" in second.log_path.read_text()
+        assert all(r.exists() for r in map(Path, [f"/dev/shm/{n}" for n in shm_regions(
+            python_stubs(tritonserver_pid(second)))]))  # its own are kept
+
+
 def test_a_tritonserver_that_never_starts_is_not_started_again(tmp_path):
     """A start that fails before the endpoint answers (here: no model repository) fails the same
     way every time: the supervisor passes tritonserver's exit code on instead of looping."""

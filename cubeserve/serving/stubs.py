@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 STUB_EXECUTABLE = "triton_python_backend_stub"
@@ -149,6 +150,33 @@ def shm_regions(pids) -> set[str]:
         if len(args) > 2 and args[2].startswith(SHM_REGION_PREFIX.encode()) and b"/" not in args[2]:
             regions.add(args[2].decode())
     return regions
+
+
+def orphan_regions(min_age_s: float = 60.0, shm: Path = Path("/dev/shm")) -> set[str]:
+    """Python backend regions in `shm` that no live process maps and that are older than
+    `min_age_s`: a killed server's (SIGKILL, an out-of-memory kill: nothing of it ran to remove
+    them), which in a pod stay in its memory-backed /dev/shm across container restarts and count
+    against its memory. The age keeps a region that a starting server has created and not yet
+    mapped (another server's, where several share /dev/shm)."""
+    now = time.time()
+    candidates = set()
+    for path in shm.glob(SHM_REGION_PREFIX + "*"):
+        try:
+            if now - path.stat().st_mtime >= min_age_s:
+                candidates.add(path.name)
+        except FileNotFoundError:
+            pass
+    if not candidates:
+        return set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:  # gone, or another user's
+            continue
+        candidates = {name for name in candidates if f"{shm}/{name}" not in text}
+        if not candidates:
+            break
+    return candidates
 
 
 def remove_regions(regions) -> list[str]:

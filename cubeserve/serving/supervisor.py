@@ -76,7 +76,8 @@ from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.drain import clear_markers, in_progress, is_draining
 from cubeserve.serving.front import LISTEN_BACKLOG, FrontEnd, Limits
 from cubeserve.serving.grpc_front import GrpcFrontEnd, GrpcLimits
-from cubeserve.serving.stubs import kill_leftover_stubs, remove_regions, shm_regions, stub_processes
+from cubeserve.serving.stubs import (kill_leftover_stubs, orphan_regions, remove_regions, shm_regions,
+                                     stub_processes)
 
 log = logging.getLogger("cubeserve.supervisor")
 
@@ -284,8 +285,12 @@ class Supervisor:
             except RuntimeError as exc:
                 log.error("%s", exc)
                 return 1
-            if self.admin_key_file:
+            if self.admin_key_file:  # written anew: one a killed supervisor left holds an old key
                 write_private(self.admin_key_file, self.admin_key + "\n")
+            swept = remove_regions(orphan_regions())
+            if swept:
+                log.warning("removed %d python backend shared-memory regions that a killed server left in "
+                            "/dev/shm: %s", len(swept), ", ".join(sorted(swept)))
             return self._run()
         finally:
             if self.admin_key_file:
