@@ -451,6 +451,44 @@ def test_a_killed_engine_process_fails_its_requests_clearly_and_the_server_comes
     assert code == 200, reply
 
 
+def test_a_request_to_a_dead_stub_is_answered_unavailable_which_clients_retry(repo, tmp_path):
+    """Triton answers a request for a model whose stub died with an INTERNAL error ("Stub process
+    ... is not healthy"); the server is about to restart it (the supervisor, or the kubelet), so
+    the front ends answer 503 / UNAVAILABLE "unavailable: ...", which the project's client retries.
+    Here nothing restarts it (--on-fault none), so every request meets the dead stub."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "tritonserver.log") as server:
+        stubs = {model: pid for pid, (model, _) in python_stubs(tritonserver_pid(server)).items()}
+        os.kill(stubs["cube3d"], signal.SIGKILL)
+        os.kill(stubs["cube3d_stream"], signal.SIGKILL)
+        wait_for(lambda: not set(python_stubs(tritonserver_pid(server))) & set(stubs.values()))
+
+        code, reply = post(server, body("a dead predict model"))
+        assert code == 503 and reply["error"].startswith("unavailable: the process of model instance 'cube3d_0_0' "
+                                                         "died"), (code, reply)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            with pytest.raises(InferenceServerException) as err:
+                client.infer("cube3d", grpc_inputs("a dead predict model"))
+            assert err.value.status() == "StatusCode.UNAVAILABLE" and "'cube3d_0_0' died" in err.value.message()
+            # the stream's errors come as responses, not a status: their message says it
+            answers = []
+            client.start_stream(callback=lambda result, error: answers.append(error))
+            client.async_stream_infer("cube3d_stream", grpc_inputs("a dead engine", stream=True))
+            wait_for(lambda: answers, timeout=30)
+            client.stop_stream()
+        finally:
+            client.close()
+        assert answers[0] is not None and answers[0].message().startswith(
+            "unavailable: the process of model instance 'cube3d_stream_0_0' died"), answers
+        # what the project's client does with it: retries, then gives up with the server's words
+        with Cube3DClient(server.http_url, retries=1, backoff=0.1) as project_client:
+            with pytest.raises(Exception, match="unavailable: the process of model instance"):
+                project_client.generate("retried", resolution=4)
+
+
 @pytest.mark.parametrize("stuck", ["in Python", "past the interpreter"])
 def test_an_engine_process_stuck_on_its_way_out_ends(stuck):
     """What the engine's finalize arms: a stub whose exit waits forever (here on a thread that

@@ -191,16 +191,18 @@ class Clients:
 
 
 def test_a_stub_killed_in_the_pod_restarts_its_container_and_no_retried_request_is_lost(node, served):
-    """kill -9 of a python backend stub inside the pod: the supervisor (--on-fault exit) ends the
-    container, readiness takes the pod out of the Service, the kubelet starts the container again
-    and the clients' retries land there."""
+    """kill -9 of a python backend stub inside the pod (the predict model's, which every request
+    passes: Triton answers those that meet it dead with an INTERNAL error, which the front end
+    turns into a 503 to retry): the supervisor (--on-fault exit) ends the container, readiness
+    takes the pod out of the Service, the kubelet starts the container again and the clients'
+    retries land there."""
     before = the_pod(node, served)["status"]["containerStatuses"][0]["restartCount"]
     clients = Clients(f"{served.ip}:80")
     try:
         wait_for("answers before the fault", lambda: len(clients.done) >= 2, 120)
-        stubs = node.pod_processes(b"triton_python_backend_stub")
-        assert stubs, "no python backend stub in the node's pods"
-        os.kill(stubs[0], signal.SIGKILL)
+        stubs = set(node.pod_processes(b"triton_python_backend_stub")) & set(node.pod_processes(b"/cube3d/"))
+        assert len(stubs) == 1, f"not one stub of the predict model cube3d in the node's pods: {stubs}"
+        os.kill(stubs.pop(), signal.SIGKILL)
         restarted = wait_for("the container started again and Ready", lambda: [
             p for p in ready_pods(node, served.ns, APP) if p["status"]["containerStatuses"][0]["restartCount"] > before],
             300, node)

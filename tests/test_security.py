@@ -664,6 +664,7 @@ def test_the_admin_key_is_on_no_command_line(server):
 
 OPEN_FILES = 512  # the bounded server's open-file limit (soft and hard): the supervisor cannot raise it
 BOUNDED_HEADER_S = 2  # its header timeout (REST) and handshake timeout (gRPC)
+BOUNDED_IDLE_S = 2  # its idle timeout (gRPC connections without a call, streams without a request)
 
 
 class Bounded(LocalTriton):
@@ -677,7 +678,8 @@ class Bounded(LocalTriton):
 def bounded(repo, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "bounded.log"
     with Bounded(repo, free_port(), free_port(), free_port(), log_path=log, supervised=True,
-                 supervisor_args=(f"--header-timeout={BOUNDED_HEADER_S}", "--body-timeout=3"),
+                 supervisor_args=(f"--header-timeout={BOUNDED_HEADER_S}", "--body-timeout=3",
+                                  f"--idle-timeout={BOUNDED_IDLE_S}"),
                  extra_args=("--model-control-mode=explicit", "--load-model=cube3d_stream",
                              "--load-model=cube3d")) as triton:
         yield triton
@@ -887,3 +889,52 @@ def test_slow_and_silent_connections_cannot_keep_a_client_out_past_the_header_ti
         assert len(busy) >= 2 * cap, "the connections past the cap are answered 503"
         held = [seconds for s, seconds in attack.closed.items() if s not in busy]
         assert held and min(held) > BOUNDED_HEADER_S - 1, "the ones within the cap are held until the timeout"
+
+
+def test_a_silent_grpc_stream_is_ended_by_the_idle_timeout_and_a_working_one_is_not(bounded):
+    """gRPC's idle timeout spares a connection with a call open, so a ModelStreamInfer stream that
+    sends nothing held its call and connection as long as its client liked. Now a stream with no
+    request in progress is ended after the idle timeout (UNAVAILABLE, which says to open a new one),
+    while one whose generation (no progress responses: nothing on the stream meanwhile) runs longer
+    than that is answered, and ended once it has been idle as long after its answer."""
+    import grpc
+    import tritonclient.grpc as grpcclient
+
+    from cubeserve.serving.grpc_front import STREAM
+
+    channel = grpc.insecure_channel(bounded.grpc_url)
+    never = threading.Event()
+
+    def silent():
+        never.wait(60)
+        yield from ()
+
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in channel.stream_stream(STREAM)(silent(), timeout=60):
+            pass
+    ended = time.monotonic() - started
+    never.set()
+    channel.close()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    assert err.value.details().startswith("unavailable: the stream had no request in progress"), err.value.details()
+    assert BOUNDED_IDLE_S - 0.5 < ended < BOUNDED_IDLE_S + 5, ended
+
+    prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"a long generation on a quiet stream"], dtype=np.object_))
+    resolution = grpcclient.InferInput("RESOLUTION", [1], "INT32")
+    resolution.set_data_from_numpy(np.array([4], dtype=np.int32))
+    events = []
+    client = grpcclient.InferenceServerClient(bounded.grpc_url)
+    client.start_stream(callback=lambda result, error: events.append((time.monotonic(), result, error)))
+    sent = time.monotonic()
+    client.async_stream_infer("cube3d_stream", [prompt, resolution])
+    wait_until(lambda: len(events) >= 2, 300, "the answer, then the idle stream's end")
+    client.stop_stream()
+    client.close()
+    (answered, result, error), (closed, _, idle_error) = events[:2]
+    assert error is None and len(result.as_numpy("SHAPE_TOKENS")) == LONG.num_tokens, error
+    assert answered - sent > BOUNDED_IDLE_S, (
+        f"the generation took {answered - sent:.1f} s: not longer than the idle timeout, so this shows nothing")
+    assert "the stream had no request in progress" in str(idle_error), idle_error
+    assert BOUNDED_IDLE_S - 0.5 < closed - answered < BOUNDED_IDLE_S + 5, closed - answered

@@ -44,7 +44,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from cubeserve import deploy, tracing
-from cubeserve.serving import checks
+from cubeserve.serving import checks, stubs
 from cubeserve.serving.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
                                       OUTPUT_PARAMETERS, REQUEST_PARAMETERS, Refused)
 from cubeserve.serving.protocol import DATATYPES as MODEL_DATATYPES
@@ -68,6 +68,7 @@ FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant|model)$")
 RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
 _HEADER_LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "١٢"
 LISTEN_BACKLOG = 128
+MAX_ERROR_BODY = 64 * 1024  # an error answer read whole to look at it (Triton's: a line of JSON)
 TRACE_SERVICE = "cube3d-front"  # the front end's spans' service name (cubeserve/tracing.py)
 
 
@@ -100,6 +101,15 @@ class Limits:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an error answer ({"error": ...}, Triton's and ours); "" when it has none."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return ""
+    return str(doc.get("error", "")) if isinstance(doc, dict) else ""
 
 
 # -- the request's document ------------------------------------------------------------------------
@@ -474,16 +484,30 @@ class FrontEnd(LoopThread):
             if counted:
                 self._buffered -= sum(len(c) for c in chunks)
 
+    def _gone(self, exc: Exception) -> Refused:
+        """tritonserver's endpoint failed before an answer began: 503, to retry."""
+        # The models' own words for a drain (triton_common), so clients and tests read one message.
+        state = ("the server is shutting down (tritonserver takes no new connections)" if self.stopping
+                 else "tritonserver is not answering (starting or restarting)")
+        return Refused(503, f"unavailable: {state}; retry ({type(exc).__name__})")
+
     async def _forward(self, request: web.Request, headers: dict, body: bytes | None) -> web.StreamResponse:
         url = self.upstream + request.path  # the query string is not passed on: no endpoint here uses one
         try:
             upstream = await self._session.request(request.method, url, headers=headers, data=body)
         except (ClientError, OSError) as exc:
-            # The models' own words for a drain (triton_common), so clients and tests read one message.
-            state = ("the server is shutting down (tritonserver takes no new connections)" if self.stopping
-                     else "tritonserver is not answering (starting or restarting)")
-            raise Refused(503, f"unavailable: {state}; retry ({type(exc).__name__})") from None
+            raise self._gone(exc) from None
         async with upstream:
+            answer = None
+            if upstream.status == 500 and (upstream.content_length or MAX_ERROR_BODY + 1) <= MAX_ERROR_BODY:
+                # Triton's 500 for a model whose stub died, as 503 (stubs.dead_stub_unavailable).
+                try:
+                    answer = await upstream.read()
+                except (ClientError, OSError) as exc:
+                    raise self._gone(exc) from None
+                unavailable = stubs.dead_stub_unavailable(_error_message(answer))
+                if unavailable:
+                    raise Refused(503, unavailable)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name in RESPONSE_HEADERS:
                 if name in upstream.headers:
@@ -491,6 +515,10 @@ class FrontEnd(LoopThread):
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
             await response.prepare(request)
+            if answer is not None:
+                await response.write(answer)
+                await response.write_eof()
+                return response
             try:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)

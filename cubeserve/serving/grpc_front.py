@@ -30,6 +30,7 @@ import hmac
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 # The supervisor forks tritonserver (and execs it at once) while this front end's threads run:
@@ -43,7 +44,7 @@ from google.protobuf.message import DecodeError  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 
 from cubeserve import deploy, tracing  # noqa: E402
-from cubeserve.serving import checks  # noqa: E402
+from cubeserve.serving import checks, stubs  # noqa: E402
 from cubeserve.serving.checks import MAX_ELEMENTS, MAX_RANK, MAX_TENSORS, Refused  # noqa: E402
 from cubeserve.serving.front import TRACE_SERVICE, LoopThread  # noqa: E402
 
@@ -51,6 +52,7 @@ log = logging.getLogger("cubeserve.grpc_front")
 
 SERVICE = "/inference.GRPCInferenceService/"
 INFER, STREAM = SERVICE + "ModelInfer", SERVICE + "ModelStreamInfer"
+FINAL_RESPONSE = b"triton_final_response"  # the response parameter that ends a decoupled request
 # Calls open to everyone, with the message whose `name` is a model's (None: no model named).
 OPEN = {SERVICE + "ServerLive": None, SERVICE + "ServerReady": None, SERVICE + "ServerMetadata": None,
         SERVICE + "ModelReady": pb.ModelReadyRequest, SERVICE + "ModelMetadata": pb.ModelMetadataRequest,
@@ -133,6 +135,44 @@ def parse_infer(raw: bytes) -> pb.ModelInferRequest:
     return request
 
 
+def _dead_stub_response(raw: bytes) -> bytes:
+    """A stream response whose error says its model's stub died, with an "unavailable: ..." message
+    instead, which clients retry (stubs.dead_stub_unavailable); any other response as it came."""
+    if b"is not healthy" not in raw:  # most responses carry a mesh: parsed only when it may be one
+        return raw
+    response = pb.ModelStreamInferResponse.FromString(raw)
+    unavailable = stubs.dead_stub_unavailable(response.error_message)
+    if not unavailable:
+        return raw
+    response.error_message = unavailable
+    return response.SerializeToString()
+
+
+class _StreamActivity:
+    """A stream's requests in progress (forwarded, their final response not yet back) and when it
+    last carried a message either way."""
+
+    def __init__(self):
+        self.outstanding, self.last = 0, time.monotonic()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+    def answered(self, raw: bytes) -> None:
+        """A response from Triton: final unless it says otherwise (a decoupled model's progress
+        responses carry triton_final_response=false; an error response ends its request)."""
+        self.touch()
+        if FINAL_RESPONSE in raw:
+            response = pb.ModelStreamInferResponse.FromString(raw)
+            final = response.infer_response.parameters.get(FINAL_RESPONSE.decode())
+            if final is not None and not final.bool_param and not response.error_message:
+                return
+        self.outstanding = max(self.outstanding - 1, 0)
+
+    def idle_for(self, seconds: float) -> bool:
+        return self.outstanding == 0 and time.monotonic() - self.last >= seconds
+
+
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
           503: grpc.StatusCode.UNAVAILABLE}
 
@@ -169,6 +209,9 @@ class GrpcFrontEnd(LoopThread):
         return metadata
 
     def _unavailable(self, error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
+        dead_stub = error.code() == grpc.StatusCode.INTERNAL and stubs.dead_stub_unavailable(error.details() or "")
+        if dead_stub:
+            return grpc.StatusCode.UNAVAILABLE, dead_stub
         if error.code() == grpc.StatusCode.UNAVAILABLE and not error.details().startswith("unavailable:"):
             state = ("the server is shutting down (tritonserver takes no new connections)" if self.stopping
                      else "tritonserver is not answering (starting or restarting)")
@@ -207,18 +250,23 @@ class GrpcFrontEnd(LoopThread):
 
     async def _stream(self, requests, context: grpc.aio.ServicerContext):
         """ModelStreamInfer: each request checked on its way up; a refused one is answered with an
-        error response here and not forwarded; responses come back as Triton sends them."""
+        error response here and not forwarded; responses come back as Triton sends them. A stream
+        with no request in progress and no message either way for GrpcLimits.idle_s is ended
+        (UNAVAILABLE, which clients meet by opening a new one): gRPC's own idle timeout spares a
+        connection that has a call open, so one silent stream would hold it forever."""
         try:
             metadata = self._metadata(context, admin=False)
         except Refused as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         out: asyncio.Queue = asyncio.Queue()
-        done = object()
+        done, idle = object(), object()
+        activity = _StreamActivity()
 
         async def checked():
             async for raw in requests:
+                activity.touch()
                 try:
-                    yield parse_infer(raw).SerializeToString()
+                    forwarded = parse_infer(raw).SerializeToString()
                 except Refused as exc:
                     request = pb.ModelInferRequest()
                     try:
@@ -229,28 +277,42 @@ class GrpcFrontEnd(LoopThread):
                         error_message=str(exc),
                         infer_response=pb.ModelInferResponse(id=request.id[:256], model_name=request.model_name[:256])
                     ).SerializeToString())
+                    continue
+                activity.outstanding += 1
+                yield forwarded
 
         call = self._channel.stream_stream(STREAM)(checked(), metadata=metadata, timeout=context.time_remaining())
 
         async def relay() -> None:
             try:
                 async for response in call:
-                    await out.put(response)
+                    activity.answered(response)
+                    await out.put(_dead_stub_response(response))
                 await out.put(done)
             except grpc.aio.AioRpcError as exc:
                 await out.put(exc)
 
-        relaying = asyncio.ensure_future(relay())
+        async def watch() -> None:
+            while not activity.idle_for(self.limits.idle_s):
+                await asyncio.sleep(min(1.0, self.limits.idle_s / 4))
+            await out.put(idle)
+
+        relaying, watching = asyncio.ensure_future(relay()), asyncio.ensure_future(watch())
         try:
             while True:
                 item = await out.get()
                 if item is done:
                     return
+                if item is idle:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, (
+                        f"unavailable: the stream had no request in progress for {self.limits.idle_s:g} s and was "
+                        "closed; open a new one"))
                 if isinstance(item, grpc.aio.AioRpcError):
                     await context.abort(*self._unavailable(item))
                 await context.write(item)
         finally:
             relaying.cancel()
+            watching.cancel()
             call.cancel()
 
     # -- life cycle --------------------------------------------------------------------------------

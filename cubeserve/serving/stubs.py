@@ -111,6 +111,23 @@ def _model_name(pid: int, model_py: Path) -> str:
     return model_py.parent.parent.name
 
 
+# Triton's answer to a request for a model whose stub has died (python_backend r24.10
+# src/python_be.cc, an INTERNAL error: HTTP 500, gRPC INTERNAL). The supervisor restarts the server
+# (or ends the container) within a poll interval, so the request was never run and another try
+# will be: the front ends answer it as unavailable (503 / UNAVAILABLE), which clients retry.
+_DEAD_STUB = re.compile(r"Stub process '(.+?)' is not healthy\.?")
+
+
+def dead_stub_unavailable(message: str) -> str | None:
+    """Triton's error `message` as an "unavailable: ..." one when it says a model's stub died,
+    else None."""
+    found = _DEAD_STUB.search(message)
+    if found is None:
+        return None
+    return (f"unavailable: the process of model instance '{found.group(1)}' died and the server is "
+            "restarting; retry")
+
+
 def python_stubs(server_pid: int) -> dict[int, tuple[str, str]]:
     """{stub pid: (model name, version)} for the live stub processes of tritonserver `server_pid`."""
     return {pid: (_model_name(pid, path), path.parent.name) for pid, path in stub_processes(server_pid).items()}
