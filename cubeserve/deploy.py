@@ -46,8 +46,8 @@ REQUEST_TIMEOUT_S = 600
 # slow connections cannot hold the connection caps (docs/security.md, "Timeouts"):
 # - HEADER_TIMEOUT_S: to send the first byte and the whole request head (or, on gRPC, the
 #   connection's preface), from the connection's opening (or the previous answer's end);
-# - IDLE_TIMEOUT_S: a connection with no request in progress is closed after this long (the
-#   REST front end: HEADER_TIMEOUT_S, aiohttp has one timer for both);
+# - IDLE_TIMEOUT_S: a connection, or a gRPC stream, with no request in progress is closed after
+#   this long (the REST front end: HEADER_TIMEOUT_S, aiohttp has one timer for both);
 # - BODY_TIMEOUT_S: to send the whole request (a body is at most MAX_REQUEST_BYTES);
 # none of them runs while an answer is awaited: a generation has REQUEST_TIMEOUT_S.
 HEADER_TIMEOUT_S = 10

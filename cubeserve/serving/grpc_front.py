@@ -16,8 +16,8 @@ with tritonserver's own key.
 
 Bounded, whatever clients do (GrpcLimits): connections (gRPC's connection quota), calls at
 once (RESOURCE_EXHAUSTED past it), streams per connection, the TLS-less handshake's time (the
-preface and SETTINGS: a silent or slow connection), idle connections, unanswered keepalive
-pings, and a message's size: deploy.MAX_REQUEST_BYTES, so a model load carrying its files
+preface and SETTINGS: a silent or slow connection), idle connections and streams, unanswered
+keepalive pings, and a message's size: deploy.MAX_REQUEST_BYTES, so a model load carrying its files
 (bigger) goes over REST.
 
 It runs in the supervisor on a thread with its own asyncio loop, as the REST front end does.
