@@ -164,7 +164,12 @@ def _rendered(path: str) -> str:
 
 def render(overlay: str) -> list[dict]:
     """`kubectl kustomize k8s/overlays/<overlay>` as objects (fresh copies)."""
-    return [d for d in yaml.safe_load_all(_rendered(str(REPO / "k8s" / "overlays" / overlay))) if d]
+    return render_dir(f"overlays/{overlay}")
+
+
+def render_dir(path: str) -> list[dict]:
+    """`kubectl kustomize k8s/<path>` as objects (fresh copies), e.g. "gateway"."""
+    return [d for d in yaml.safe_load_all(_rendered(str(REPO / "k8s" / path))) if d]
 
 
 def find(objects: list[dict], kind: str, name: str | None = None) -> dict:

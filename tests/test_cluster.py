@@ -6,7 +6,8 @@ release whose manager cluster/build.py builds (v0.20.0, v0.15.2), as a user runs
   the API server (CRD schemas with their CEL rules, strict field validation, admission webhooks,
   RBAC) and reconciled by KServe into Deployments and Services whose pods (KWOK's: no container
   runs) are Running and Ready on the fake GPU nodes; `canary` (Serverless) is accepted, and KServe
-  says Knative is missing; k8s/pipeline, k8s/batch, k8s/gateway, k8s/monitoring accepted;
+  says Knative is missing; k8s/pipeline, k8s/batch, k8s/gateway, k8s/monitoring accepted, the
+  gateway's NetworkPolicy selecting exactly the predictor pods KServe makes;
 * `cubeserve rollout` in RawDeployment (Standard) mode: canary -> promote without a restart,
   canary -> rollback, a canary that is not ready yet, drift by `kubectl edit`, an overlay applied
   again after a promote (server-side: a conflict; client-side: drift), the in-server experiment
@@ -38,6 +39,7 @@ import cluster_stack as cs
 import go_programs
 import kserve_standin
 from guards import cannot_run
+from k8s_validation import render_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -287,8 +289,9 @@ def test_the_serverless_overlay_is_accepted_and_kserve_says_knative_is_missing(s
 
 def test_the_other_manifests_are_accepted_with_their_cel_rules(stack, ns):
     """k8s/pipeline (RBAC), k8s/batch (KubeRay's RayJob), k8s/gateway (Gateway API and Envoy
-    Gateway), k8s/monitoring (Prometheus Operator): accepted as they are, and the API server runs
-    the CRDs' CEL rules (a route breaking one of the Gateway API's is refused)."""
+    Gateway, and its NetworkPolicy), k8s/monitoring (Prometheus Operator): accepted as they are,
+    and the API server runs the CRDs' CEL rules (a route breaking one of the Gateway API's is
+    refused)."""
     if stack.release != NEWEST:
         pytest.skip("independent of KServe: once")
     for path in ("pipeline", "batch", "gateway", "monitoring"):
@@ -296,12 +299,45 @@ def test_the_other_manifests_are_accepted_with_their_cel_rules(stack, ns):
         assert out.count("serverside-applied") >= 1 and "error" not in out.lower(), (path, out)
     assert stack.get("rayjob", "cube3d-batch", ns)["spec"]["rayClusterSpec"]["rayVersion"]
     assert {"cube3d"} <= names(stack, "podmonitor", ns) and {"cube3d"} <= names(stack, "prometheusrule", ns)
+    # The gateway's NetworkPolicy, stored as written (strict field validation: nothing dropped).
+    [rendered] = [o for o in render_dir("gateway") if o["kind"] == "NetworkPolicy"]
+    assert stack.get("networkpolicy", rendered["metadata"]["name"], ns)["spec"] == rendered["spec"]
     route = yaml.safe_load((REPO / "k8s" / "overlays" / "ab" / "httproute.yaml").read_text())
     route["metadata"]["namespace"] = ns
     backend = route["spec"]["rules"][0]["backendRefs"][0]
     backend["filters"].append(backend["filters"][0])  # the same filter twice: a CEL rule refuses it
     refused = stack.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=json.dumps(route), check=False)
     assert refused.returncode and "ResponseHeaderModifier filter cannot be repeated" in refused.stderr, refused.stderr
+
+
+def selector_string(selector: dict) -> str:
+    """A LabelSelector as `kubectl get -l` takes it (the API server evaluates it)."""
+    terms = [f"{k}={v}" for k, v in selector.get("matchLabels", {}).items()]
+    for e in selector.get("matchExpressions", []):
+        op, key = e["operator"], e["key"]
+        terms.append({"In": f"{key} in ({','.join(e.get('values', []))})",
+                      "NotIn": f"{key} notin ({','.join(e.get('values', []))})",
+                      "Exists": key, "DoesNotExist": f"!{key}"}[op])
+    return ",".join(terms)
+
+
+def test_the_gateways_network_policy_selects_the_pods_kserve_makes(stack, ns):
+    """k8s/gateway's NetworkPolicy beside an overlay (cpu: no storage, so quick): the API server,
+    evaluating the policy's pod selector, finds exactly the predictor pods KServe's controller made
+    (their labels are KServe's, not this repository's). The policy is only accepted here: nothing
+    in this stack enforces it (no CNI)."""
+    if stack.release != NEWEST:
+        pytest.skip("the same labels on every release: once")
+    apply_k(stack, "overlays/cpu", ns)
+    apply_k(stack, "gateway", ns)
+    wait_ready(stack, ns)
+    ready_pod(stack, ns, "cube3d-predictor")
+    [rendered] = [o for o in render_dir("gateway") if o["kind"] == "NetworkPolicy"]
+    policy = stack.get("networkpolicy", rendered["metadata"]["name"], ns)
+    selected = json.loads(stack.kubectl("get", "pods", "-n", ns, "-l", selector_string(policy["spec"]["podSelector"]),
+                                        "-o", "json").stdout)["items"]
+    predictors = pods(stack, ns, "cube3d-predictor")
+    assert predictors and {p["metadata"]["name"] for p in selected} == {p["metadata"]["name"] for p in predictors}
 
 
 # -- cubeserve rollout, RawDeployment (Standard) -----------------------------------------------------

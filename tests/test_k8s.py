@@ -18,8 +18,8 @@ from cubeserve.rollout import VersionRegistry
 from k8s_validation import (GATEWAY_API_RELEASES, GATEWAY_API_TOO_OLD, KSERVE_RELEASES, KUBERNETES_VERSION,
                             MIN_KSERVE, OVERLAYS, REPO,
                             SUPPORTED_KSERVE, crd_errors, dockerfile_instructions, find, gateway_api_errors,
-                            kserve_version, rbac_allows, releases_before, render, require_crds, require_releases,
-                            supported_releases, validate)
+                            kserve_version, rbac_allows, releases_before, render, render_dir, require_crds,
+                            require_releases, supported_releases, validate)
 
 GPU = "nvidia.com/gpu"
 MODE = "serving.kserve.io/deploymentMode"
@@ -83,8 +83,18 @@ def kserve_pod(isvc: dict, runtime: dict) -> dict:
             "volumes": copy.deepcopy(predictor.get("volumes", []) + runtime["spec"].get("volumes", []))}
     if "terminationGracePeriodSeconds" in predictor:
         spec["terminationGracePeriodSeconds"] = predictor["terminationGracePeriodSeconds"]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{isvc['metadata']['name']}-predictor"},
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{isvc['metadata']['name']}-predictor",
+                                                            "labels": predictor_pod_labels(isvc, runtime)},
             "spec": spec}
+
+
+def predictor_pod_labels(isvc: dict, runtime: dict) -> dict:
+    """The labels KServe puts on a predictor's pods (both modes): the runtime's pod labels, the
+    InferenceService's, the predictor's, then its own two (pkg/controller/v1beta1/inferenceservice/
+    components/predictor.go, `utils.Union(sRuntimeLabels, isvc.Labels, predictorLabels, ...)`)."""
+    return {**runtime["spec"].get("labels", {}), **isvc["metadata"].get("labels", {}),
+            **isvc["spec"]["predictor"].get("labels", {}),
+            "serving.kserve.io/inferenceservice": isvc["metadata"]["name"], "component": "predictor"}
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -504,6 +514,163 @@ def test_the_ab_route_is_valid_for_every_gateway_api_release_claimed_and_needs_t
     # The release before the minimum has no rule timeouts: it would refuse (prune) them.
     errors = gateway_api_errors(route, GATEWAY_API_TOO_OLD)
     assert errors and all("'timeouts' was unexpected" in e for e in errors), errors
+
+
+# -- who reaches the servers: k8s/gateway/networkpolicy.yaml ------------------------------------------
+# The servers trust x-cube3d-tenant, which the gateway sets (docs/gateway/index.md): the policy lets
+# only the gateway's Envoy reach their front ends. Names the manifests do not carry, with their source:
+NAMESPACE_NAME = "kubernetes.io/metadata.name"  # every namespace's label: its own name (Kubernetes 1.22+)
+# Envoy Gateway runs each Gateway's Envoy in its own namespace, labelled with the Gateway's name
+# (internal/gatewayapi: OwningGatewayNameLabel).
+ENVOY_GATEWAY_NAMESPACE, OWNING_GATEWAY = "envoy-gateway-system", "gateway.envoyproxy.io/owning-gateway-name"
+PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus"}  # the Prometheus Operator's pods
+KNATIVE_NAMESPACE = "knative-serving"
+ACTIVATOR, AUTOSCALER = {"app": "activator"}, {"app": "autoscaler"}
+# queue-proxy's ports (knative.dev/networking pkg/apis/networking: BackendHTTPPort, BackendHTTP2Port,
+# AutoscalingQueueMetricsPort), the Serverless pods' way in.
+QUEUE_PROXY_PORTS, QUEUE_PROXY_METRICS_PORT = {8012, 8013}, 9090
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    """A label selector (matchLabels, matchExpressions) against an object's labels."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    tests = {"In": lambda key, values: labels.get(key) in values,
+             "NotIn": lambda key, values: labels.get(key) not in values,
+             "Exists": lambda key, values: key in labels,
+             "DoesNotExist": lambda key, values: key not in labels}
+    return all(tests[e["operator"]](e["key"], e.get("values", [])) for e in selector.get("matchExpressions", []))
+
+
+def admits(policy: dict, namespace: str, labels: dict, port: int, own_namespace: str = "models") -> bool:
+    """Whether `policy` (applied in `own_namespace`) lets a pod of `namespace` with `labels` open a TCP
+    connection to `port` of a pod it selects: some ingress rule names the port (or no ports) and
+    a peer of it matches (a peer without namespaceSelector is the policy's own namespace)."""
+    def peer_matches(peer: dict) -> bool:
+        if "ipBlock" in peer:
+            return False  # addresses, not pods
+        if "namespaceSelector" in peer:
+            in_namespace = selects(peer["namespaceSelector"], {NAMESPACE_NAME: namespace})
+        else:
+            in_namespace = namespace == own_namespace
+        return in_namespace and selects(peer.get("podSelector", {}), labels)
+
+    for rule in policy["spec"].get("ingress", []):
+        to_port = "ports" not in rule or any(p["port"] == port and p.get("protocol", "TCP") == "TCP"
+                                             for p in rule["ports"])
+        if to_port and ("from" not in rule or any(peer_matches(peer) for peer in rule["from"])):
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def gateway_objects():
+    return render_dir("gateway")
+
+
+def server_ports(objects) -> dict[str, int]:
+    """The server's ports, from the ServingRuntime: the supervisor's front ends and tritonserver's
+    metrics port (what a pod listens on beyond its loopback)."""
+    args = runtime_container(objects)["args"]
+    supervisor, tritonserver = args[:args.index("--")], args[args.index("--") + 1:]
+
+    def flag(part, name):
+        [value] = [a.split("=", 1)[1] for a in part if a.startswith(f"--{name}=")]
+        return int(value)
+    return {"rest": flag(supervisor, "rest-port"), "grpc": flag(supervisor, "grpc-port"),
+            "metrics": flag(tritonserver, "metrics-port"), "triton-http": flag(tritonserver, "http-port"),
+            "triton-grpc": flag(tritonserver, "grpc-port")}
+
+
+def routed_inference_services(gateway_objects) -> set[str]:
+    """The InferenceServices the gateway's HTTPRoute sends to: its Service backends are their
+    predictor Services, `<name>-predictor` (KServe's pkg/constants: DefaultPredictorServiceName)."""
+    route = find(gateway_objects, "HTTPRoute")
+    services = {ref["name"] for rule in route["spec"]["rules"] for ref in rule["backendRefs"]
+                if ref.get("kind", "Service") == "Service" and ref.get("group", "") == ""}
+    assert services and all(s.endswith("-predictor") for s in services), services
+    return {s.removesuffix("-predictor") for s in services}
+
+
+def test_the_gateways_network_policy_is_valid_and_admits_only_named_peers_and_ports(gateway_objects):
+    """Strictly valid (kubernetes-validate), ingress only, and no rule open to every source or
+    every port: each peer is a namespace AND a pod selector in one element (two elements would
+    be either), no ipBlock."""
+    policy = find(gateway_objects, "NetworkPolicy")
+    assert validate(policy) == []
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+    assert spec["ingress"]
+    for rule in spec["ingress"]:
+        assert rule.get("ports") and rule.get("from"), rule
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector", "podSelector"}, peer
+            assert peer["namespaceSelector"]["matchLabels"].keys() == {NAMESPACE_NAME}, peer
+            assert peer["podSelector"].get("matchLabels"), peer
+        assert all(p.get("protocol") == "TCP" and isinstance(p["port"], int) and "endPort" not in p
+                   for p in rule["ports"]), rule
+
+
+def test_the_gateways_network_policy_selects_the_routed_predictor_pods(gateway_objects, overlay):
+    """The predictor pods of every InferenceService the gateway routes to, and no other: each
+    overlay's pods as KServe labels them (predictor_pod_labels) are selected when the route sends
+    to their InferenceService (cube3d), and not otherwise (the A/B overlay's arms, behind KServe's
+    own Gateway); the selector names exactly the routed ones (a renamed model fails here)."""
+    name, objects = overlay
+    policy = find(gateway_objects, "NetworkPolicy")
+    selector = policy["spec"]["podSelector"]
+    routed = routed_inference_services(gateway_objects)
+    [by_name] = [e for e in selector["matchExpressions"] if e["key"] == "serving.kserve.io/inferenceservice"]
+    assert by_name["operator"] == "In" and set(by_name["values"]) == routed
+    runtime = find(objects, "ServingRuntime")
+    for isvc in isvcs(objects):
+        labels = kserve_pod(isvc, runtime)["metadata"]["labels"]
+        assert selects(selector, labels) == (isvc["metadata"]["name"] in routed), (name, isvc["metadata"]["name"])
+        # a transformer's or explainer's pods of the same InferenceService are not the server
+        assert not selects(selector, {**labels, "component": "transformer"})
+    if name != "ab":
+        assert {i["metadata"]["name"] for i in isvcs(objects)} <= routed, name
+
+
+def test_the_gateways_network_policy_admits_the_gateway_prometheus_and_knative_only(gateway_objects):
+    """Port by port and peer by peer, from the manifests: the Gateway's Envoy (by the name of
+    k8s/gateway's Gateway, the route's parent) to the front ends the ServingRuntime starts;
+    Prometheus (the namespace components/autoscaling-keda queries it in) to the metrics port;
+    Knative's activator and autoscaler to queue-proxy. Nobody else, nothing else."""
+    policy = find(gateway_objects, "NetworkPolicy")
+    objects = render("raw")
+    ports = server_ports(objects)
+    [declared] = runtime_container(objects)["ports"]
+    assert declared["containerPort"] == ports["rest"]
+    [gateway] = [o for o in gateway_objects if o["kind"] == "Gateway"]
+    route = find(gateway_objects, "HTTPRoute")
+    assert [p["name"] for p in route["spec"]["parentRefs"]] == [gateway["metadata"]["name"]]
+    envoy = (ENVOY_GATEWAY_NAMESPACE, {OWNING_GATEWAY: gateway["metadata"]["name"],
+                                       "gateway.envoyproxy.io/owning-gateway-namespace": "models"})
+    address = find(objects, "InferenceService")["spec"]["predictor"]["autoScaling"]["metrics"][0]["external"][
+        "metric"]["serverAddress"]
+    service, prometheus_namespace = re.fullmatch(r"https?://([^.]+)\.([^.]+)\.svc(?:\.cluster\.local)?:\d+",
+                                                 address).groups()
+    assert service == "prometheus-operated"
+    prometheus = (prometheus_namespace, {**PROMETHEUS_POD, "prometheus": "k8s"})
+    activator, autoscaler = (KNATIVE_NAMESPACE, ACTIVATOR), (KNATIVE_NAMESPACE, AUTOSCALER)
+    allowed = [(envoy, {ports["rest"], ports["grpc"]}), (prometheus, {ports["metrics"]}),
+               (activator, QUEUE_PROXY_PORTS), (autoscaler, {QUEUE_PROXY_METRICS_PORT})]
+    # A client in the models' namespace (also one forging the Envoy's labels there), KServe's own
+    # Gateway's Envoy, another pod beside the Envoys, a Prometheus elsewhere, Knative's ingress, ...
+    others = [("models", {"app": "client"}), ("models", envoy[1]),
+              (ENVOY_GATEWAY_NAMESPACE, {OWNING_GATEWAY: "kserve-ingress-gateway"}), (ENVOY_GATEWAY_NAMESPACE, {}),
+              ("default", PROMETHEUS_POD), (prometheus_namespace, {"app": "grafana"}),
+              (KNATIVE_NAMESPACE, {"app": "controller"}), ("kourier-system", {"app": "3scale-kourier-gateway"})]
+    every_port = set(ports.values()) | QUEUE_PROXY_PORTS | {QUEUE_PROXY_METRICS_PORT, 80, 8022, 9091}
+    for (namespace, labels), expected in allowed:
+        assert {p for p in every_port if admits(policy, namespace, labels, p)} == expected, (namespace, labels)
+    for namespace, labels in others:
+        assert not any(admits(policy, namespace, labels, p) for p in every_port), (namespace, labels)
+    # Exactly the ports named above, so a port changed in the runtime fails here.
+    named = set().union(*(expected for _, expected in allowed))
+    assert {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]} == named
+    assert not {ports["triton-http"], ports["triton-grpc"]} & named  # tritonserver's own, on the loopback
 
 
 # -- the in-server experiment (k8s/components/experiment) ------------------------------------------------
