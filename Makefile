@@ -1,5 +1,6 @@
 # cube-serve. `make demo` and `make test` work on a fresh machine: they create .venv and
-# install what they need (torch from the CPU wheel `torch==2.13.0`).
+# install what they need (`torch==2.13.0` from PyPI, on Linux x86-64 the CUDA build, which also runs
+# without a GPU; then the `test` extra: about 7.3 GB in .venv, README.md).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -28,9 +29,13 @@ test-quick: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak and not node"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
-# tiny random demo weights are written into the version directories on first use.
+# the demo model is copied into the version directories on first use. Other ports:
+# make serve PORT=8100 [GRPC_PORT=8101] [METRICS_PORT=8102] (a port in use is named at start).
+PORT ?=
+GRPC_PORT ?=
+METRICS_PORT ?=
 serve: install
-	$(VENV)/bin/cubeserve serve
+	$(VENV)/bin/cubeserve serve $(if $(PORT),--http-port $(PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
 
 # Envoy on 127.0.0.1:8080 in front of `make serve`'s server: API keys, quotas in shape tokens,
 # balancing; tenants and keys from GATEWAY_CONFIG (docs/gateway/index.md). Meter the tenants by

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -128,14 +130,22 @@ def cmd_serve(args) -> int:
     from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights
 
     repo = Path(args.model_repository) if args.model_repository else MODEL_REPOSITORY
-    ensure_demo_weights(repo)
     # Supervised: a python backend stub that dies (e.g. killed for memory) restarts the server.
     # The admin APIs' key (docs/security.md): $CUBE3D_ADMIN_KEY, else a new one for this start,
     # which the supervisor writes where only this user can read it, for as long as the server runs.
     key_file = Path(tempfile.gettempdir()) / f"cubeserve-admin-key-{args.http_port}"
     server = LocalTriton(repo, args.http_port, args.grpc_port, args.metrics_port, verbose=True, supervised=True,
                          admin_key_file=key_file)
-    server.start(timeout=args.timeout)
+    busy = _ports_in_use(server)
+    if busy:
+        print(busy, file=sys.stderr)
+        return 2
+    ensure_demo_weights(repo)
+    try:
+        server.start(timeout=args.timeout)
+    except RuntimeError as exc:  # its log is above; a port taken since the check above says so there
+        print(f"error: the server did not start: {exc}", file=sys.stderr)
+        return 1
     try:
         _wait_then_stop(server, f"tritonserver (supervisor pid {server.process.pid}) ready: REST {server.http_url}, "
                                 f"gRPC {server.grpc_url}, metrics {server.metrics_url}; admin APIs need the header "
@@ -143,6 +153,37 @@ def cmd_serve(args) -> int:
     finally:
         key_file.unlink(missing_ok=True)  # the supervisor's to remove; gone also if it was killed
     return 0
+
+
+def _in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Something listens on host:port (a socket in TIME_WAIT does not count: the servers reuse it)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _ports_in_use(server) -> str | None:
+    """One line naming the ports `server` (a LocalTriton) needs that something already listens
+    on, and the flag (and `make serve` variable) that moves each; None when all are free.
+    Checked before anything starts: a taken port would otherwise end in a traceback."""
+    ports = [(server.http_port, "REST", "--http-port", "PORT"),
+             (server.grpc_port, "gRPC", "--grpc-port", "GRPC_PORT"),
+             (server.metrics_port, "metrics", "--metrics-port", "METRICS_PORT"),
+             # tritonserver's own endpoints behind the front ends: fixed with the default ports
+             (server.triton_http_port, "tritonserver's REST, fixed while --http-port is the default",
+              "--http-port", "PORT"),
+             (server.triton_grpc_port, "tritonserver's gRPC, fixed while --grpc-port is the default",
+              "--grpc-port", "GRPC_PORT")]
+    busy = [f"{port} ({what}: change it with {flag}, or make serve {var}=...)"
+            for port, what, flag, var in ports if _in_use(port)]
+    if not busy:
+        return None
+    return (f"error: {'port' if len(busy) == 1 else 'ports'} in use on 127.0.0.1: {', '.join(busy)}; "
+            "stop what listens there (another `cubeserve serve`?) or choose another port")
 
 
 def cmd_demo(args) -> int:

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -373,3 +374,100 @@ def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_referen
     page = (tmp_path / "performance" / "benchmarks.html").read_text()
     headings = re.findall(r"^##+ ([^`\n]+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)
     assert headings and all(h.strip() in page for h in headings)
+
+
+# -- the predict API page: its tables are the code's, its examples run --------------------------------
+
+API_PAGE = ROOT / "docs" / "serving" / "api.md"
+
+
+def test_the_predict_api_tables_are_what_the_code_renders():
+    """The inputs, outputs, TIMINGS keys and parameters of docs/serving/api.md are what
+    docs/gen/api_tables.py renders from the code now (requests.py, protocol.py, checks.py, the
+    models' config.pbtxt): a changed range, input or parameter fails here until the page is
+    rewritten."""
+    import difflib
+
+    import api_tables
+
+    text = API_PAGE.read_text()
+    rendered = api_tables.render_page(text)
+    assert rendered == text, "docs/serving/api.md's tables differ from the code; rewrite them with " \
+        "`.venv/bin/python docs/gen/api_tables.py`:\n" + "".join(
+            difflib.unified_diff(text.splitlines(True), rendered.splitlines(True), "api.md", "rendered"))
+
+
+def test_a_changed_range_changes_the_rendered_tables(monkeypatch):
+    import api_tables
+
+    from cubeserve import requests
+
+    before = api_tables.inputs_table()
+    monkeypatch.setattr(requests, "MAX_RESOLUTION", requests.MAX_RESOLUTION + 1)
+    after = api_tables.inputs_table()
+    assert f"[4, {requests.MAX_RESOLUTION}]" in after and after != before
+
+
+def api_examples() -> list[tuple[int, str, str, str]]:
+    """(line, language, code, its output) of every example in api.md's "Examples" section: each
+    bash or python block and the text block after it, which shows what it prints."""
+    tokens = MarkdownIt().parse(API_PAGE.read_text())
+    blocks, inside = [], False
+    for i, token in enumerate(tokens):
+        if token.type == "heading_open" and token.tag == "h2":
+            inside = tokens[i + 1].content == "Examples"
+        elif inside and token.type == "fence":
+            blocks.append((token.map[0] + 1, token.info.split()[0], token.content))
+    examples = []
+    while blocks:
+        (line, language, code), *blocks = blocks
+        assert language in ("bash", "python") and blocks and blocks[0][1] == "text", \
+            f"docs/serving/api.md:{line}: an example is a bash or python block followed by a text block of its output"
+        examples.append((line, language, code, blocks.pop(0)[2]))
+    return examples
+
+
+def numbers_aside(text: str) -> list[str]:
+    """Output lines with every number as N: sizes, timings and token ids vary between runs."""
+    return [re.sub(r"-?\d+(\.\d+)?([eE][-+]?\d+)?", "N", line.rstrip()) for line in text.strip().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def api_server(tmp_path_factory):
+    """The local server as `make serve` runs it (the demo model), on free ports."""
+    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
+
+    root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
+    ensure_demo_weights(root)
+    log = tmp_path_factory.mktemp("logs") / "tritonserver.log"
+    with LocalTriton(root, free_port(), free_port(), free_port(), log_path=log) as server:
+        yield server
+
+
+def test_the_predict_api_page_has_its_examples():
+    kinds = ("curl", "start_stream", "tritonclient.grpc", "Cube3DClient", "kserve")  # the first that a block has
+    found = {(language, next((w for w in kinds if w in code), None)) for _, language, code, _ in api_examples()}
+    assert found >= {("bash", "curl"), ("python", "tritonclient.grpc"), ("python", "start_stream"),
+                     ("python", "Cube3DClient"), ("python", "kserve")}, found
+
+
+@pytest.mark.parametrize("line,language,code,output", [pytest.param(*e, id=f"api.md:{e[0]}") for e in api_examples()])
+def test_the_predict_api_examples_print_what_the_page_shows(api_server, tmp_path, line, language, code, output):
+    """Each example of docs/serving/api.md, run as a user would (bash, or its own Python process:
+    kserve's and tritonclient's gRPC modules cannot share one) against a real server, prints what
+    the page shows after it, numbers aside."""
+    code = code.replace("127.0.0.1:8000", api_server.http_url).replace("127.0.0.1:8001", api_server.grpc_url)
+    if language == "bash":
+        missing = [p for p in ("curl", "jq", "base64") if p in code and not shutil.which(p)]
+        if missing:
+            from guards import cannot_run
+
+            cannot_run(f"{', '.join(missing)} not installed")
+        command = ["bash", "-e", "-o", "pipefail", "-c", code]
+    else:
+        command = [sys.executable, "-c", code]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"docs/serving/api.md:{line}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert numbers_aside(result.stdout) == numbers_aside(output), f"docs/serving/api.md:{line} printed:\n{result.stdout}"
+    for mesh in tmp_path.glob("*.glb"):  # what the examples save is the mesh file
+        assert mesh.read_bytes()[:4] == b"glTF", mesh.name
