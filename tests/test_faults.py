@@ -552,9 +552,7 @@ def test_the_shared_memory_of_a_killed_server_is_removed_by_the_next_start(repo,
         tree = process_tree(first.process.pid)
         regions = [Path("/dev/shm", r) for r in shm_regions(python_stubs(tritonserver_pid(first)))]
         assert len(regions) == 2
-        for pid in tree:
-            os.kill(pid, signal.SIGKILL)
-        first.process.wait(10)
+        first.kill()
         wait_for(lambda: all(_gone(pid) for pid in tree), timeout=60)
     left = [r for r in regions if r.exists()]
     assert left, "the killed server's regions were removed by something else: this test shows nothing"

@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -895,12 +896,15 @@ def test_a_silent_grpc_stream_is_ended_by_the_idle_timeout_and_a_working_one_is_
     """gRPC's idle timeout spares a connection with a call open, so a ModelStreamInfer stream that
     sends nothing held its call and connection as long as its client liked. Now a stream with no
     request in progress is ended after the idle timeout (UNAVAILABLE, which says to open a new one),
-    while one whose generation (no progress responses: nothing on the stream meanwhile) runs longer
-    than that is answered, and ended once it has been idle as long after its answer."""
+    while one whose generation sends nothing for longer than that (no progress responses, the
+    engine held by the test: SIGSTOP once it has the request, so however fast the machine) is
+    answered, and ended once it has been idle as long after its answer."""
     import grpc
     import tritonclient.grpc as grpcclient
 
     from cubeserve.serving.grpc_front import STREAM
+    from cubeserve.serving.stubs import python_stubs
+    from serving_helpers import metrics
 
     channel = grpc.insecure_channel(bounded.grpc_url)
     never = threading.Event()
@@ -920,6 +924,7 @@ def test_a_silent_grpc_stream_is_ended_by_the_idle_timeout_and_a_working_one_is_
     assert err.value.details().startswith("unavailable: the stream had no request in progress"), err.value.details()
     assert BOUNDED_IDLE_S - 0.5 < ended < BOUNDED_IDLE_S + 5, ended
 
+    [engine] = [pid for pid, (model, _) in python_stubs(bounded.tritonserver_pid()).items() if model == "cube3d_stream"]
     prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
     prompt.set_data_from_numpy(np.array([b"a long generation on a quiet stream"], dtype=np.object_))
     resolution = grpcclient.InferInput("RESOLUTION", [1], "INT32")
@@ -927,14 +932,22 @@ def test_a_silent_grpc_stream_is_ended_by_the_idle_timeout_and_a_working_one_is_
     events = []
     client = grpcclient.InferenceServerClient(bounded.grpc_url)
     client.start_stream(callback=lambda result, error: events.append((time.monotonic(), result, error)))
-    sent = time.monotonic()
-    client.async_stream_infer("cube3d_stream", [prompt, resolution])
-    wait_until(lambda: len(events) >= 2, 300, "the answer, then the idle stream's end")
-    client.stop_stream()
-    client.close()
+    try:
+        client.async_stream_infer("cube3d_stream", [prompt, resolution])
+        # Stopped only once it has taken the request (a stub that does not take one within about
+        # a second is "not healthy" to Triton, test_drain.EngineHold), then held past the timeout.
+        wait_until(lambda: metrics(bounded).get("cube3d_objects_in_flight/v1", 0) == 1, 60, "the request taken")
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            time.sleep(BOUNDED_IDLE_S + 2)
+            assert not events, f"the stream ended while its request was in progress: {events}"
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        wait_until(lambda: len(events) >= 2, 300, "the answer, then the idle stream's end")
+    finally:
+        client.stop_stream()
+        client.close()
     (answered, result, error), (closed, _, idle_error) = events[:2]
     assert error is None and len(result.as_numpy("SHAPE_TOKENS")) == LONG.num_tokens, error
-    assert answered - sent > BOUNDED_IDLE_S, (
-        f"the generation took {answered - sent:.1f} s: not longer than the idle timeout, so this shows nothing")
     assert "the stream had no request in progress" in str(idle_error), idle_error
     assert BOUNDED_IDLE_S - 0.5 < closed - answered < BOUNDED_IDLE_S + 5, closed - answered

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -158,9 +156,7 @@ def test_a_server_killed_after_one_sample_is_billed_in_full(servers, tmp_path):
         clients.invalid(server, "team-b")
         prometheus.discover([target(server)])
         first_scrape(prometheus, server)
-        tritonserver = server.tritonserver_pid()  # before the kill: a dead supervisor has no children
-        os.kill(server.process.pid, signal.SIGKILL)  # the supervisor and tritonserver, as a pod's kill
-        os.kill(tritonserver, signal.SIGKILL)
+        server.kill()  # every process of it, as a pod's kill
         invalid = f'{names.TENANT_REQUESTS}{{outcome="{names.INVALID}"}}'
         assert samples(prometheus, server, invalid) == 2  # one sample of each: the first and only
         assert billed(prometheus) == clients.expected()

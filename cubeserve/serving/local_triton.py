@@ -255,14 +255,35 @@ class LocalTriton:
                     except ProcessLookupError:
                         pass
             self.process.wait()
-            if self._log_file:  # the supervisor, killed too, cannot say how tritonserver ended
-                servers = [pid for pid in killed if os.path.basename(tree[pid].split(b"\0")[0]) == b"tritonserver"]
-                now = time.time()
-                stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
-                self._log_file.write("".join(f"{stamp} cubeserve local server: tritonserver (pid {pid}) killed, "
-                                             f"{timeout:g} s after SIGTERM\n" for pid in servers).encode())
+            self._say_killed(tree, killed, f"{timeout:g} s after SIGTERM")
         if self._log_file:
             self._log_file.close()
+
+    def kill(self) -> None:
+        """kill -9 of every process of the server at once, as a container's kill (its grace period
+        over, an out-of-memory kill of the group)."""
+        tree = {pid: _cmdline(pid) for pid in process_tree(self.process.pid)}
+        self._say_killed(tree, list(tree), "with every process of it (kill -9)")  # first: a stub's crash comes after
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+        if self._log_file:
+            self._log_file.close()
+
+    def _say_killed(self, tree: dict, killed: list[int], how: str) -> None:
+        """The supervisor, killed too, cannot say how tritonserver ended: this line in the server's
+        log does (tests/stub_crashes.py reads it)."""
+        if not self._log_file:
+            return
+        servers = [pid for pid in killed if os.path.basename(tree[pid].split(b"\0")[0]) == b"tritonserver"]
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
+        self._log_file.write("".join(f"{stamp} cubeserve local server: tritonserver (pid {pid}) killed, {how}\n"
+                                     for pid in servers).encode())
+        self._log_file.flush()
 
     def _log_tail(self, lines: int = 30) -> str:
         if not self.log_path or not self.log_path.exists():
