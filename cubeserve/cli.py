@@ -38,7 +38,8 @@ def cmd_generate(args) -> int:
     )
     t0 = time.perf_counter()
     engine = Engine.from_dir(args.weights, device=args.device, dtype=args.dtype,
-                             single_block_mode=args.single_block, quantization=args.quantization)
+                             single_block_mode=args.single_block, quantization=args.quantization,
+                             decode_window=args.decode_window)
     load_s = time.perf_counter() - t0
     result = engine.generate([request])[0]
     if result.mesh.empty:
@@ -344,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
                    help="the GPT's weights as int8 (per channel) or int4 (grouped), weight-only, or fp8 "
                         "(per row, weights and activations; native on CUDA >= 8.9)")
+    g.add_argument("--decode-window", type=int, default=1,
+                   help="positions per decode forward (window decoding, the same tokens in fewer forwards "
+                        "where its guesses hold), 1..64; 1: one token per forward")
     g.add_argument("--save-tokens", help="write the shape token ids as a JSON list")
     g.add_argument("--preview", help="write a PNG preview of the mesh")
     g.set_defaults(func=cmd_generate)

@@ -18,6 +18,24 @@ import yaml
 # config can name the choices without importing the engine.
 QUANTIZATIONS = ("none", "int8", "int4", "fp8")
 
+# Window (Jacobi) decoding (engine/window.py): positions one decode forward runs per object, a
+# version's own engine setting `decode_window` (its version.json); 1 is one token per forward.
+DECODE_WINDOW_SETTING = "decode_window"
+DECODE_WINDOWS = range(1, 65)
+
+
+def check_decode_window(value) -> int:
+    """`value` if it is an allowed decode window, else ValueError naming the setting and the range."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in DECODE_WINDOWS:
+        raise ValueError(f"{DECODE_WINDOW_SETTING}: must be an integer in {DECODE_WINDOWS.start}.."
+                         f"{DECODE_WINDOWS.stop - 1} (1 = off, one token per forward), got {value!r}")
+    return value
+
+
+def decode_window_of(settings: dict) -> int:
+    """A version's decode window from its packaged settings (version.json); 1 where unset."""
+    return check_decode_window(settings.get(DECODE_WINDOW_SETTING, 1))
+
 
 @dataclass(frozen=True)
 class GPTConfig:

@@ -69,6 +69,22 @@ def test_graphs_with_requests_joining_mid_generation(cuda_engine, run_steps):
         assert torch.equal(done[slot], expected)
 
 
+@pytest.mark.parametrize("window", [4, 16])
+def test_window_decoding_on_the_gpu_gives_the_eager_tokens_without_graphs(cuda_engine, run_steps, window):
+    """decode_window > 1 runs eagerly (graph buckets ignored) with cuBLAS's shapes of T positions
+    per row: the tokens of one token per step, slots joining mid-generation."""
+    alone = [cuda_engine.generate_tokens([r])[0] for r in REQUESTS]
+    pool = cuda_engine.decode_runner(max_objects=8, graph_buckets=(1, 2, 4, 8), window=window)
+    assert not pool.graphs
+    done = {}
+    pool.admit(REQUESTS[:2])
+    run_steps(pool, 3, done)
+    pool.admit(REQUESTS[2:])
+    run_steps(pool, 3 * cuda_engine.cfg.num_tokens, done)
+    for slot, expected in enumerate(alone):
+        assert torch.equal(done[slot], expected)
+
+
 def test_a_runner_steps_on_its_own_device_from_any_thread_two_steps_ahead_timed_by_events(cuda_engine):
     """A runner built for cuda:0, stepped from a fresh thread (as the scheduler's): its graphs
     replay there, the host never runs more than two steps ahead, and step times are device times."""

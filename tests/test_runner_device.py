@@ -278,3 +278,17 @@ def test_the_gpu_checks_preflight_runs_the_engines_own_step(capsys):
     out = capsys.readouterr().out
     assert "replay == eager" in out and "attention under the pinned backends: OK" in out
     assert "preflight OK" in out
+
+
+def test_a_window_runner_steps_eagerly_on_its_device_and_captures_nothing(alone, make_engine, monkeypatch, run_steps):
+    """Window decoding (decode_window > 1) ignores the graph buckets: its steps run eagerly under
+    the runner's device, the host reading each forward's accepted counts, with the eager tokens."""
+    engine = make_engine("tiny", "causal")
+    with FakeCuda(CUDA_1).installed(monkeypatch) as cuda:
+        pool = runner_on_cuda_1(engine, window=4)
+        assert pool.slot_buckets is None and not pool.graphs and not cuda.captures
+        done = {}
+        pool.admit([REQUESTS["sampled"], REQUESTS["boat"]])
+        run_steps(pool, engine.cfg.num_tokens, done)
+        assert not cuda.replays and pool.forwards <= engine.cfg.num_tokens
+    assert torch.equal(done[0], alone["sampled"]) and torch.equal(done[1], alone["boat"])

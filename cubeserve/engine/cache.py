@@ -8,7 +8,8 @@ position 0, where RoPE is the identity). Single layers keep [rows, heads, N, hea
 BOS value alone.
 
 The model's blocks reach the cache through `cubeserve.model.gpt.Keys`: `ConditionPrefill` keeps
-the condition stream's keys and values, `CacheStep` is one decode step's view of the cache.
+the condition stream's keys and values, `CacheStep` is one decode step's view of the cache,
+`WindowStep` one window forward's (several positions per row, `engine/window.py`).
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ MASK_ALIGNMENT = 16
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """allowed [R, L] (bool) -> [R, 1, 1, L] in `dtype`, 0 where allowed and -inf elsewhere: a
-    view of an [R, 1, 1, L'] buffer, L' = L rounded up to MASK_ALIGNMENT."""
-    rows, length = allowed.shape
+    """allowed [R, L] or [R, T, L] (bool; T queries per row) -> [R, 1, T, L] in `dtype`, 0 where
+    allowed and -inf elsewhere: a view of an [R, 1, T, L'] buffer, L' = L rounded up to
+    MASK_ALIGNMENT."""
+    rows, length = allowed.shape[0], allowed.shape[-1]
+    queries = allowed.shape[1] if allowed.dim() == 3 else 1
     padded = -(-length // MASK_ALIGNMENT) * MASK_ALIGNMENT
-    mask = torch.full((rows, 1, 1, padded), float("-inf"), dtype=dtype, device=allowed.device)[..., :length]
-    return mask.masked_fill_(allowed[:, None, None, :], 0.0)
+    mask = torch.full((rows, 1, queries, padded), float("-inf"), dtype=dtype, device=allowed.device)[..., :length]
+    return mask.masked_fill_(allowed.view(rows, 1, queries, length), 0.0)
 
 
 class CacheStep:
@@ -126,18 +129,77 @@ class CacheStep:
         return y
 
 
+class WindowStep:
+    """`Keys` of one window forward (`engine/window.py`): T tokens per cache row 0..R-1, row r's
+    at `positions` [R, T] (consecutive). Every token's keys and values are written before
+    attention and query t sees the slots up to its own position: a rejected guess's entry is
+    overwritten by the next window, which starts there, before any query may read it.
+
+    `live` (host int) = 1 + the largest position of a row whose results are kept; `at_bos` (host
+    bool): some such row's window starts at BOS (reference mode computes its BOS value then)."""
+
+    def __init__(self, cache: "KVCache", n_rows: int, positions: torch.Tensor, rot: torch.Tensor, live: int,
+                 at_bos: bool = True):
+        s = cache.cond_len
+        self.cache, self.n_rows, self.positions, self.live, self.at_bos = cache, n_rows, positions, live, at_bos
+        self.single_block_mode = cache.single_block_mode
+        self.rot = rot
+        slots = torch.arange(s + live, device=positions.device)
+        self.mask = additive_mask(slots <= (s + positions)[..., None], cache.dtype)
+        self.single_mask = (additive_mask(slots[:live] <= positions[..., None], cache.dtype)
+                            if self.single_block_mode == "causal" else None)
+
+    def _write(self, cache: torch.Tensor, slots: torch.Tensor, value: torch.Tensor) -> None:
+        """Store value [R, H, T, hd] at each row's slots [R, T]."""
+        _, h, _, hd = value.shape
+        cache.scatter_(2, slots[:, None, :, None].expand(-1, h, -1, hd), value.to(cache.dtype))
+
+    def dual(self, layer, k, v):
+        s, end = self.cache.cond_len, self.cache.cond_len + self.live
+        kc, vc = self.cache.dual_k[layer][: self.n_rows], self.cache.dual_v[layer][: self.n_rows]
+        self._write(kc, s + self.positions, k)
+        self._write(vc, s + self.positions, v)
+        return kc[:, :, :end], vc[:, :, :end]
+
+    def dual_mask(self, cond_queries, shape_queries):
+        return self.mask
+
+    def single(self, layer, k, v):
+        kc, vc = self.cache.single_k[layer][: self.n_rows], self.cache.single_v[layer][: self.n_rows]
+        self._write(kc, self.positions, k)
+        self._write(vc, self.positions, v)
+        return kc[:, :, : self.live], vc[:, :, : self.live]
+
+    def bos_value(self, layer):
+        # Reference mode: every query sees BOS alone, whose value the cache holds past BOS.
+        if self.at_bos:
+            return None
+        return self.cache.single_v[layer][: self.n_rows].expand(-1, -1, self.positions.shape[1], -1)
+
+    def keep_bos_value(self, layer, v):
+        # A row whose window starts at 0 holds BOS: its value is computed and kept.
+        vcache = self.cache.single_v[layer][: self.n_rows]
+        first = (self.positions[:, 0] == 0)[:, None, None, None]
+        vcache.copy_(torch.where(first, v[:, :, :1].to(vcache.dtype), vcache))
+        return vcache.expand(-1, -1, v.shape[2], -1)
+
+
 class KVCache:
-    def __init__(self, cfg: ModelConfig, rows: int, device, dtype: torch.dtype, single_block_mode: str):
+    def __init__(self, cfg: ModelConfig, rows: int, device, dtype: torch.dtype, single_block_mode: str,
+                 window: int = 1):
+        """`window`: tokens per row a forward may write (`WindowStep`); a window starting at the
+        last position N - 1 writes up to N + window - 2, so the shape slots are N + window - 1."""
         g = cfg.gpt
         self.cond_len = cfg.cond_len
         self.num_tokens = cfg.num_tokens
         self.rows = rows
         self.dtype = dtype
         self.single_block_mode = single_block_mode
-        dual_shape = (rows, g.n_head, cfg.cond_len + cfg.num_tokens, g.head_dim)
+        shape_slots = cfg.num_tokens + window - 1
+        dual_shape = (rows, g.n_head, cfg.cond_len + shape_slots, g.head_dim)
         self.dual_k = [torch.zeros(dual_shape, device=device, dtype=dtype) for _ in range(g.n_layer)]
         self.dual_v = [torch.zeros(dual_shape, device=device, dtype=dtype) for _ in range(g.n_layer)]
-        single_slots = cfg.num_tokens if single_block_mode == "causal" else 1
+        single_slots = shape_slots if single_block_mode == "causal" else 1
         single_shape = (rows, g.n_head, single_slots, g.head_dim)
         self.single_k = ([torch.zeros(single_shape, device=device, dtype=dtype) for _ in range(g.n_single_layer)]
                          if single_block_mode == "causal" else [])
@@ -145,6 +207,10 @@ class KVCache:
 
     def step(self, n_rows: int, positions: torch.Tensor, rot: torch.Tensor, live: int, uniform: bool) -> CacheStep:
         return CacheStep(self, n_rows, positions, rot, live, uniform)
+
+    def window(self, n_rows: int, positions: torch.Tensor, rot: torch.Tensor, live: int,
+               at_bos: bool = True) -> WindowStep:
+        return WindowStep(self, n_rows, positions, rot, live, at_bos)
 
     def set_condition(self, rows: slice, cond_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write prefilled condition keys/values [n, H, S, hd] (or broadcastable) into `rows`."""

@@ -4,6 +4,7 @@
     prefill   condition K/V of every dual layer              once per request;
               the unconditional prefix                       once per engine, shared
     decode    one token per object per step, guidance rows [cond ; uncond] in one batch
+              (or a window of positions per forward, `decode_window`: engine/window.py)
     shape     tokens -> latents -> occupancy grid -> marching cubes -> GLB/OBJ
 """
 
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 
 from cubeserve.checkpoint import CLIP_DIR, load_models
-from cubeserve.config import ModelConfig
+from cubeserve.config import ModelConfig, check_decode_window
 from cubeserve.engine import fast_paths, geometry
 from cubeserve.engine.cache import prefill_condition
 from cubeserve.engine.runner import DecodeRunner
@@ -42,7 +43,7 @@ class Timings:
 
     queue_s: float | None = None  # submitted -> admitted (scheduler), the admission included
     tokens_s: float  # decoding (with `Engine.generate`: the whole batch's)
-    steps: int  # decode steps, one per token of the object
+    steps: int  # the object's tokens: one decode step each (fewer forwards with a decode window)
     geometry_s: float  # tokens -> mesh (with `Engine.generate`: the batch's share per object)
     total_s: float | None = None  # submitted -> mesh (scheduler)
     prefill_s: float | None = None  # the admission: CLIP and prefill of its batch, the end of queue_s (scheduler)
@@ -110,14 +111,17 @@ class Engine:
     def __init__(self, cfg: ModelConfig, gpt: DualStreamGPT, tokenizer: ShapeTokenizer, text: TextEncoder,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  single_block_mode: str = "reference", cpu_threads: int | None = None,
-                 engines_sharing_cpu: int = 1, quantization: str = "none"):
-        """`quantization`: "none", or the GPT's weights as "int8" (per output channel) or "int4"
+                 engines_sharing_cpu: int = 1, quantization: str = "none", decode_window: int = 1):
+        """`decode_window`: positions per object one decode forward runs (window decoding,
+        `engine/window.py`: the same tokens, fewer forwards where guesses hold); 1 is one token
+        per forward. `quantization`: "none", or the GPT's weights as "int8" (per output channel) or "int4"
         (in groups), weight-only, or "fp8" (e4m3 weights and activations, per-row scales; an
         emulation off CUDA capability 8.9) (`fast_paths.quantize`); the condition projections,
         the shape tokenizer and, for int8, `lm_head` (`fast_paths.KEEP_LOGITS`) keep `dtype`.
         `cpu_threads`: PyTorch's intra-op threads (process-wide); None: $OMP_NUM_THREADS if
         set, else the CPUs the cgroup's quota and the affinity mask allow, divided among the
         `engines_sharing_cpu` engine processes that share them (`threads.decide_cpu_threads`)."""
+        self.decode_window = check_decode_window(decode_window)
         self.cpu_threads: CpuThreads = decide_cpu_threads(cpu_threads, engines=engines_sharing_cpu)
         apply_cpu_threads(self.cpu_threads)
         log.info("engine: %s", self.cpu_threads.describe())
@@ -153,8 +157,9 @@ class Engine:
     def from_dir(cls, weights_dir: str | Path, device: str | torch.device | None = "cpu",
                  dtype: str | torch.dtype | None = None, single_block_mode: str = "reference",
                  config: ModelConfig | str | None = None, cpu_threads: int | None = None,
-                 engines_sharing_cpu: int = 1, quantization: str = "none") -> "Engine":
+                 engines_sharing_cpu: int = 1, quantization: str = "none", decode_window: int = 1) -> "Engine":
         """`dtype` None: `default_dtype` for the device, decided here once and logged."""
+        check_decode_window(decode_window)  # before anything loads
         device = resolve_device(device)
         if dtype is None:
             dtype, why = default_dtype(device)
@@ -165,7 +170,8 @@ class Engine:
         cfg, gpt, tok = load_models(weights_dir, config=config, device="cpu")
         text = TextEncoder(Path(weights_dir) / CLIP_DIR, device=device)
         return cls(cfg, gpt, tok, text, device=device, dtype=dtype, single_block_mode=single_block_mode,
-                   cpu_threads=cpu_threads, engines_sharing_cpu=engines_sharing_cpu, quantization=quantization)
+                   cpu_threads=cpu_threads, engines_sharing_cpu=engines_sharing_cpu, quantization=quantization,
+                   decode_window=decode_window)
 
     # -- stages ---------------------------------------------------------------------------------
 
@@ -178,10 +184,12 @@ class Engine:
         return self.gpt.condition(hidden, box)
 
     def decode_runner(self, max_objects: int, graph_buckets: tuple[int, ...] | None = None,
-                      length_buckets: int = 4, capture: bool = True) -> DecodeRunner:
-        """Slots for `max_objects` objects in flight on this engine's models (`DecodeRunner`)."""
+                      length_buckets: int = 4, capture: bool = True, window: int | None = None) -> DecodeRunner:
+        """Slots for `max_objects` objects in flight on this engine's models (`DecodeRunner`);
+        `window` None: the engine's `decode_window`."""
         return DecodeRunner(self.cfg, self.gpt, self.condition, self.uncond_kv, max_objects, self.device,
-                            self.dtype, self.single_block_mode, graph_buckets, length_buckets, capture)
+                            self.dtype, self.single_block_mode, graph_buckets, length_buckets, capture,
+                            window=self.decode_window if window is None else window)
 
     def validate(self, requests: list[GenerationRequest]) -> None:
         for r in requests:
@@ -195,20 +203,24 @@ class Engine:
 
         With `return_logits`, also the guided fp32 logits [B, N, codes] of every step. With
         `force` [B, N] (teacher forcing, for measurements), each step's logits are computed
-        after those tokens, which are also the ones returned.
+        after those tokens, which are also the ones returned. Both decode one token per step
+        (no decode window). `on_step(tokens)`: after each step, the tokens every object has.
         """
         self.validate(requests)
-        runner = self.decode_runner(max_objects=len(requests))
+        one_by_one = return_logits or force is not None
+        runner = self.decode_runner(max_objects=len(requests), window=1 if one_by_one else None)
         runner.admit(requests)
         all_logits = []
-        for step in range(self.cfg.num_tokens):
+        done = 0
+        while done < self.cfg.num_tokens:
             out = runner.step(return_logits=return_logits)
             if return_logits:
                 all_logits.append(out.guided_logits)
             if force is not None:
-                runner.force(step, force[:, step])
+                runner.force(done, force[:, done])
+            done = min(runner.generated)
             if on_step is not None:
-                on_step(step + 1)
+                on_step(done)
         tokens = runner.tokens.clone()
         return (tokens, torch.stack(all_logits, dim=1)) if return_logits else tokens
 

@@ -28,6 +28,12 @@ On CUDA:
 - the host keeps at most MAX_STEPS_IN_FLIGHT steps ahead of the GPU (CUDA events): progress and
   "finished" then lag the GPU by at most that, an admission's copies do not wait behind a long
   backlog, and step times come from the events, not from how long a launch took.
+
+With a decode window T > 1 (`engine/window.py`, a version's `decode_window`) a step is one
+forward of T positions per slot, and slots advance by what each accepted (1..T). It always
+runs eagerly, never as graphs: the host reads the accepted counts after every forward (its
+slots' progress decides the next forward's shape and which slots finish), a sync that a
+replay running ahead of the host could not have, and it would multiply the captured buckets.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ import contextlib
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cubeserve.config import ModelConfig
+from cubeserve.config import ModelConfig, check_decode_window
+from cubeserve.engine import window as jacobi
 from cubeserve.engine.cache import KVCache, prefill_condition
 from cubeserve.engine.sampling import SamplingParams
 from cubeserve.model.gpt import DualStreamGPT, SingleBlockMode
@@ -70,12 +77,18 @@ class StepOutput:
 class DecodeRunner:
     def __init__(self, cfg: ModelConfig, gpt: DualStreamGPT, condition: Condition, uncond_kv: CondKV,
                  max_objects: int, device: torch.device, dtype: torch.dtype, single_block_mode: SingleBlockMode,
-                 graph_buckets: tuple[int, ...] | None = None, length_buckets: int = 4, capture: bool = True):
+                 graph_buckets: tuple[int, ...] | None = None, length_buckets: int = 4, capture: bool = True,
+                 window: int = 1):
         """`condition`: CLIP and text_proj for admitted prompts; `uncond_kv`: the unconditional
         prefix's prefill, shared by every slot. `graph_buckets`: pad steps to these slot buckets
         and `length_buckets` cache lengths, captured as CUDA graphs; `capture=False` replays the
         very same bucketed, padded, masked step eagerly: what the graphs compute, runnable (and
-        tested) on a machine without CUDA."""
+        tested) on a machine without CUDA. `window` > 1: window decoding (module docstring), eager;
+        graph buckets are then ignored."""
+        self.window = check_decode_window(window)
+        if window > 1 and graph_buckets is not None:
+            log.info("decode window %d: decode steps run eagerly, without CUDA graphs", window)
+            graph_buckets = None
         self.gpt = gpt
         self.condition = condition
         self.uncond_kv = uncond_kv
@@ -84,15 +97,20 @@ class DecodeRunner:
         self.num_tokens = n = cfg.num_tokens
         self.codes = cfg.gpt.shape_model_vocab_size
         rows = 2 * max_objects
-        self.cache = KVCache(cfg, rows=rows, device=device, dtype=dtype, single_block_mode=single_block_mode)
+        self.cache = KVCache(cfg, rows=rows, device=device, dtype=dtype, single_block_mode=single_block_mode,
+                             window=window)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.x = torch.zeros(rows, cfg.gpt.n_embd, dtype=torch.float32, device=device)  # next inputs
         self.tokens = torch.zeros(max_objects, n, dtype=torch.int64, device=device)
         self.busy = torch.zeros(max_objects, dtype=torch.bool, device=device)
+        # Window decoding: each slot's guesses for the tokens after its next input.
+        self.guesses = torch.zeros(max_objects, window - 1, dtype=torch.int64, device=device)
         self.sampling = SamplingParams.of([GenerationRequest("")] * max_objects, device)
         # Host mirrors: tokens generated so far per slot (None = free) and who samples.
         self.generated: list[int | None] = [None] * max_objects
         self._samples: list[bool] = [False] * max_objects
+        self.forwards = 0  # decode steps (forwards) run
+        self.last_step_tokens = 0  # tokens the latest step added, over all slots
         with torch.no_grad():  # a BOS with grad would chain every admission into one autograd graph
             self._bos = gpt.embed_tokens(torch.tensor([cfg.gpt.bos_id], device=device))[0]
         self.slot_buckets: list[int] | None = None
@@ -141,6 +159,7 @@ class DecodeRunner:
             self.cache.set_condition(slice(2 * s + 1, 2 * s + 2), self.uncond_kv)
             self.positions[2 * s: 2 * s + 2] = 0
             self.x[2 * s: 2 * s + 2] = self._bos
+            self.guesses[s] = 0  # any code: the first window accepts its first token alone
             self.busy[s] = True
             self.generated[s] = 0
             self._samples[s] = not r.greedy
@@ -182,6 +201,10 @@ class DecodeRunner:
 
     @torch.no_grad()
     def step(self, return_logits: bool = False) -> StepOutput:
+        if self.window > 1:
+            if return_logits:
+                raise ValueError("return_logits needs one token per step: a runner with window 1")
+            return self._window_step()
         busy = self.busy_slots
         if not busy:
             return StepOutput([], None)
@@ -199,12 +222,74 @@ class DecodeRunner:
                 uniform = all(g == progress[0] for g in progress)  # no free slot inside, same position
                 guided = self.compute(k, live, uniform, any_sampling=any_sampling)
             self._step_launched(begin, started)
+        self.forwards += 1
+        self.last_step_tokens = len(busy)
         finished = []
         for s in busy:
             self.generated[s] += 1
             if self.generated[s] == self.num_tokens:
                 finished.append(s)
         return StepOutput(finished, guided if return_logits else None)
+
+    # -- window decoding (engine/window.py) --------------------------------------------------------
+
+    def _window_step(self) -> StepOutput:
+        n = self.num_tokens
+        active = [s for s in self.busy_slots if self.generated[s] < n]
+        if not active:
+            return StepOutput([], None)
+        k = active[-1] + 1
+        live = max(self.generated[s] for s in active) + self.window
+        with self._on_device():
+            begin = self._wait_for_backlog()
+            started = time.perf_counter()
+            keep = torch.tensor([s in active for s in range(k)], device=self.device)
+            at_bos = any(self.generated[s] == 0 for s in active)
+            accepted = self.compute_window(k, live, keep, at_bos, any_sampling=any(self._samples[:k])).tolist()
+            self._step_launched(begin, started)
+        self.forwards += 1
+        self.last_step_tokens = sum(accepted)
+        finished = []
+        for s in active:
+            self.generated[s] += accepted[s]
+            if self.generated[s] == n:
+                finished.append(s)
+        return StepOutput(finished, None)
+
+    @torch.inference_mode()
+    def compute_window(self, k: int, live: int, keep: torch.Tensor, at_bos: bool = True,
+                       any_sampling: bool = True) -> torch.Tensor:
+        """One window forward for slots 0..k-1, both guidance rows: a slot's known next input and
+        its T - 1 guesses at its next T positions, a token chosen at each position as a one-token
+        step would choose it there. The slots in `keep` [k] write the tokens sequential decoding
+        also gives (`window.accepted`) and move past them, with new guesses. `at_bos`: some slot
+        in `keep` starts at BOS (`cache.WindowStep`). Returns the tokens kept per slot [k] (0
+        outside `keep`)."""
+        with sdpa_kernel(DECODE_ATTENTION_BACKENDS, set_priority=True):
+            t, rows, n, codes = self.window, 2 * k, self.num_tokens, self.codes
+            positions = self.positions[:rows, None] + torch.arange(t, device=self.device)  # [rows, T]
+            guesses = self.guesses[:k]
+            # Both rows of a slot take the same inputs: its known next input, then its guesses.
+            x = torch.cat([self.x[:rows, None], self.gpt.embed_tokens(guesses).repeat_interleave(2, dim=0)], dim=1)
+            logits = self.gpt.decode(x, self.cache.window(rows, positions, self.gpt.rope(positions), live, at_bos))
+            pair = logits[..., :codes].view(k, 2, t, codes)
+            step = positions[0::2]  # [k, T]: each position's own guidance weight and noise
+            sampling = self.sampling[torch.arange(k, device=self.device).repeat_interleave(t)]
+            _, chosen = sampling.next_tokens(pair[:, 0].reshape(k * t, codes), pair[:, 1].reshape(k * t, codes),
+                                             step.reshape(k * t), n, any_sampling)
+            chosen = chosen.view(k, t)
+            accepted = torch.where(keep, jacobi.accepted(guesses, chosen).clamp(max=n - step[:, 0]), 0)
+            written = torch.arange(t, device=self.device) < accepted[:, None]  # [k, T]
+            slot_ids = torch.arange(k, device=self.device)[:, None].expand(k, t)
+            self.tokens[slot_ids[written], step[written]] = chosen[written]
+            moved = accepted > 0
+            last = chosen.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]
+            self.x[:rows] = torch.where(moved.repeat_interleave(2)[:, None],
+                                        self.gpt.embed_tokens(last).repeat_interleave(2, dim=0), self.x[:rows])
+            # A finished slot stays at N - 1: a window from there still fits the cache.
+            self.positions[:rows] = (self.positions[:rows] + accepted.repeat_interleave(2)).clamp(max=n - 1)
+            self.guesses[:k] = torch.where(moved[:, None], jacobi.next_guesses(chosen, accepted), guesses)
+            return accepted
 
     @torch.no_grad()
     def force(self, step: int, ids: torch.Tensor) -> None:

@@ -70,6 +70,11 @@ class EngineStats:
             self.in_flight = objects
             self.max_in_flight = max(self.max_in_flight, objects)
 
+    def on_window_tokens(self, tokens: int) -> None:
+        """Tokens a window step (decode_window > 1) made beyond `on_step`'s one per object."""
+        with self.lock:
+            self.tokens_generated += tokens
+
     def on_admit(self, queue_seconds: float) -> None:
         with self.lock:
             self.queue_seconds += queue_seconds
@@ -341,6 +346,8 @@ class Scheduler:
                 continue
             # The device time of the latest step known to be done (on CUDA, one launched earlier).
             self.stats.on_step(in_flight, self.runner.last_step_seconds or 0.0)
+            if self.runner.last_step_tokens > in_flight:
+                self.stats.on_window_tokens(self.runner.last_step_tokens - in_flight)
             for slot, ticket in self._slots.items():
                 if ticket.on_progress is not None:
                     try:

@@ -373,7 +373,10 @@ class DualStreamGPT(nn.Module):
 
     def decode(self, x: torch.Tensor, cache: Keys) -> torch.Tensor:
         """One shape token per row: x [R, D] (fp32 embeddings) -> logits [R, vocab], attending
-        to what `cache` holds (the condition keys, the row's earlier tokens)."""
+        to what `cache` holds (the condition keys, the row's earlier tokens). x [R, T, D]: T
+        consecutive tokens per row (a window, `cubeserve.engine.window`) -> logits [R, T, vocab]."""
+        if x.dim() == 3:
+            return self.logits(self.transformer(x.float(), None, cache))
         return self.logits(self.transformer(x.float()[:, None, :], None, cache))[:, 0]
 
 

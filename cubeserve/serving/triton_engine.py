@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from cubeserve.config import decode_window_of
 from cubeserve.engine.engine import Engine
 from cubeserve.engine.fast_paths import check_recipe
 from cubeserve.engine.scheduler import EngineStats, Scheduler
@@ -93,6 +94,10 @@ class TritonStats(EngineStats):
             m["cube3d_objects_in_flight"].set(objects)
             m["cube3d_decode_step_seconds"].set(seconds)
         locked(update)
+
+    def on_window_tokens(self, tokens):
+        super().on_window_tokens(tokens)
+        locked(lambda: self.metric["cube3d_tokens_generated_total"].increment(tokens))
 
     def on_admit(self, queue_seconds):
         super().on_admit(queue_seconds)
@@ -161,7 +166,8 @@ class EngineModel:
         engine = Engine.from_dir(weights, device=device, dtype=params.get("dtype") or None,
                                  quantization=quantization,
                                  single_block_mode=params.get("single_block") or "reference",
-                                 config=params.get("config") or None, engines_sharing_cpu=engines)
+                                 config=params.get("config") or None, engines_sharing_cpu=engines,
+                                 decode_window=decode_window_of(settings))
         self.uses_bbox = engine.cfg.gpt.use_bbox
         self.version = args["model_version"]  # every mesh response says it (MODEL_VERSION)
         labels = {"model": args["model_name"], "version": args["model_version"]}
