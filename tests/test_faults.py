@@ -487,6 +487,7 @@ def test_a_request_to_a_dead_stub_is_answered_unavailable_which_clients_retry(re
         with Cube3DClient(server.http_url, retries=1, backoff=0.1) as project_client:
             with pytest.raises(Exception, match="unavailable: the process of model instance"):
                 project_client.generate("retried", resolution=4)
+        server.kill()  # a stop would wait for the dead stubs' timeouts (tens of seconds), for nothing
 
 
 @pytest.mark.parametrize("stuck", ["in Python", "past the interpreter"])
