@@ -8,7 +8,12 @@ GB of memory on the two shared cores, and what those tests check is what Envoy d
 whatever the backend computes. The tests that need the server itself (a mesh, its metrics) use
 the real one (tests/test_gateway.py).
 
+With `--load-target N` every answer carries the server's load report as the real front ends
+write it (cubeserve/serving/load_report.py, imported from the project only then): POSTs in
+progress / N, for the gateway's load-aware routing (tests/test_gateway_load.py).
+
     python tests/stub_backend.py --port P --log FILE [--delay S] [--name NAME] [--max-in-flight N]
+                                 [--load-target N]
 """
 
 from __future__ import annotations
@@ -30,7 +35,14 @@ def main() -> None:
     p.add_argument("--name", default="backend")
     p.add_argument("--max-in-flight", type=int, default=0,
                    help="answer 503 at once while this many POSTs are in progress (a full server); 0: no limit")
+    p.add_argument("--load-target", type=float, default=0.0,
+                   help="report the load (ORCA) in every answer, POSTs in progress / this; 0: no report")
     args = p.parse_args()
+    load = None
+    if args.load_target:
+        from cubeserve.serving.load_report import HEADER, LoadReport
+
+        load = LoadReport(args.load_target)
     lock = threading.Lock()
     in_flight = [0]
     log = open(args.log, "a", buffering=1)
@@ -40,6 +52,8 @@ def main() -> None:
 
         def _reply(self, status: int, body: bytes) -> None:
             self.send_response(status)
+            if load is not None:
+                self.send_header(HEADER, load.header())
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -56,15 +70,21 @@ def main() -> None:
             with lock:
                 full = args.max_in_flight and in_flight[0] >= args.max_in_flight
                 in_flight[0] += not full
-            if full:  # as the real server's busy answer: 503, nothing recorded
-                return self._reply(503, json.dumps({"error": "unavailable: busy", "backend": args.name}).encode())
+            if load is not None:
+                load.started()  # as the front end counts what it forwards
             try:
-                self._record()
-                time.sleep(args.delay)
-                self._reply(200, json.dumps({"backend": args.name}).encode())
+                if full:  # as the real server's busy answer: 503, nothing recorded
+                    return self._reply(503, json.dumps({"error": "unavailable: busy", "backend": args.name}).encode())
+                try:
+                    self._record()
+                    time.sleep(args.delay)
+                    self._reply(200, json.dumps({"backend": args.name}).encode())
+                finally:
+                    with lock:
+                        in_flight[0] -= 1
             finally:
-                with lock:
-                    in_flight[0] -= 1
+                if load is not None:
+                    load.finished(failed=bool(full))
 
         def _record(self) -> None:
             line = json.dumps({"backend": args.name, "method": self.command, "path": self.path,

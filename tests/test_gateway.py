@@ -58,10 +58,12 @@ def envoy():
 # -- helpers: stub backends, gateways, requests ------------------------------------------------------
 
 class Stub:
-    """tests/stub_backend.py on a free port, stopped (or killed) by its PID."""
+    """tests/stub_backend.py on a free port, stopped (or killed) by its PID; with `load_target`,
+    reporting its load as the real front ends do (tests/test_gateway_load.py)."""
 
-    def __init__(self, tmp_path: Path, name: str, delay: float = 0.0, max_in_flight: int = 0):
+    def __init__(self, tmp_path: Path, name: str, delay: float = 0.0, max_in_flight: int = 0, load_target: float = 0):
         self.name, self.port, self.delay, self.max_in_flight = name, free_port(), delay, max_in_flight
+        self.load_target = load_target
         self.log = tmp_path / f"{name}.jsonl"
         self.log.touch()
         self.start()
@@ -70,7 +72,8 @@ class Stub:
         """(Again, after kill(): on the same port, the same log.)"""
         self.process = subprocess.Popen([sys.executable, str(STUB), "--port", str(self.port), "--log", str(self.log),
                                          "--delay", str(self.delay), "--name", self.name,
-                                         "--max-in-flight", str(self.max_in_flight)], stdin=subprocess.DEVNULL)
+                                         "--max-in-flight", str(self.max_in_flight),
+                                         "--load-target", str(self.load_target)], stdin=subprocess.DEVNULL)
         wait_until(self._up, 20, f"stub backend {self.name} listening")
 
     def _up(self) -> bool:

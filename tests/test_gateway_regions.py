@@ -34,13 +34,13 @@ NEAR_MS, FAR_MS = 2, 40
 @pytest.fixture
 def fleet(tmp_path):
     """stub(name, ...), region(name, stub, delay_ms) and gateway(doc) -> started things, all
-    stopped by their PIDs at the end."""
+    stopped by their PIDs at the end (also used by tests/test_gateway_load.py)."""
     started: list = []
 
     class Fleet:
         @staticmethod
-        def stub(name: str, delay: float = 0.0, max_in_flight: int = 0) -> Stub:
-            s = Stub(tmp_path, name, delay, max_in_flight)
+        def stub(name: str, delay: float = 0.0, max_in_flight: int = 0, load_target: float = 0) -> Stub:
+            s = Stub(tmp_path, name, delay, max_in_flight, load_target)
             started.append(s)
             return s
 

@@ -29,7 +29,12 @@ Several models instead of `model` and `backends`/`regions` (docs/gateway/regions
 The first model is the default: paths that name no model (health, server metadata) go to it.
 Regions: requests go to the healthy region of the lowest priority; the next takes what it cannot
 (a server answering 503 when full, a region down); gateway/envoy.py says with which of Envoy's
-mechanisms.
+mechanisms. Or, opt-in, by measured load:
+
+    routing: load-aware            # default: priority
+    # the near region (the lowest priority, alone there; one name for all models) keeps the
+    # requests while its servers report a load like the others'; as it grows past theirs,
+    # requests move to the regions with room (ORCA reports, serving/load_report.py)
 
 A quota of 51200 shape tokens per hour is 100 objects of v0.1 (512 tokens each) or 50 of v0.5
 (1024 each): a request's cost is its config's number of shape tokens (config.ModelConfig.num_tokens),
@@ -58,6 +63,9 @@ MODEL_PATTERN = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")  # no `_`: `<
 _DURATION = re.compile(r"([0-9]+)(s|m|h)")
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 DEFAULT_LISTEN = ("127.0.0.1", 8080)
+# How requests find a region (gateway/envoy.py): `priority`, the near region first and the next
+# when it is full or down; `load-aware`, by the load the servers report (ORCA).
+ROUTINGS = ("priority", "load-aware")
 
 
 class GatewayConfigError(ValueError):
@@ -123,6 +131,15 @@ class GatewayConfig:
     # next priority takes the rest.
     overprovisioning: float = 1.4
     tracing: "Tracing | None" = None
+    routing: str = "priority"  # ROUTINGS
+
+    @property
+    def near_region(self) -> str | None:
+        """With routing load-aware: the gateway's own region, each model's region of the lowest
+        priority (one name for all models with several regions, checked by parse); else None."""
+        if self.routing != "load-aware":
+            return None
+        return next((m.regions[0].name for m in self.models if len(m.regions) > 1), self.models[0].regions[0].name)
 
     @property
     def model(self) -> str:
@@ -308,7 +325,7 @@ def parse(doc, base: Path = Path(".")) -> GatewayConfig:
     if not isinstance(doc, dict):
         raise GatewayConfigError("gateway file: must be a mapping")
     _only(doc, {"listen", "admin_port", "model", "backends", "regions", "models", "keys_file", "tenants",
-                "health_check_interval", "overprovisioning", "tracing"}, "gateway")
+                "health_check_interval", "overprovisioning", "tracing", "routing"}, "gateway")
     if "models" in doc:
         if {"model", "backends", "regions"} & set(doc):
             raise GatewayConfigError("gateway: give models, or model with backends or regions, not both")
@@ -353,7 +370,30 @@ def parse(doc, base: Path = Path(".")) -> GatewayConfig:
         tenants=tenants, models=models, listen=listen,
         admin_port=_int(doc.get("admin_port", 0), "gateway.admin_port", 0, 65535),
         health_check_interval_s=duration_s(interval, "gateway.health_check_interval"),
-        overprovisioning=float(overprovisioning), tracing=_tracing(doc.get("tracing")))
+        overprovisioning=float(overprovisioning), tracing=_tracing(doc.get("tracing")),
+        routing=_routing(doc.get("routing", "priority"), models))
+
+
+def _routing(routing, models: tuple[Model, ...]) -> str:
+    """`routing`, checked: load-aware needs one near region (the gateway's own: the region of the
+    lowest priority, alone there), the same for every model served by several regions."""
+    if routing not in ROUTINGS:
+        raise GatewayConfigError(f"gateway.routing: must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    if routing == "load-aware":
+        near = {}
+        for model in (m for m in models if len(m.regions) > 1):
+            first = [r.name for r in model.regions if r.priority == model.regions[0].priority]
+            if len(first) > 1:
+                raise GatewayConfigError(
+                    f"gateway.routing: load-aware needs one near region per model (the gateway's own, alone at "
+                    f"the lowest priority); model {model.name} has {', '.join(first)} at priority "
+                    f"{model.regions[0].priority}")
+            near[model.name] = first[0]
+        if len(set(near.values())) > 1:
+            raise GatewayConfigError(
+                "gateway.routing: load-aware needs one near region for all models (the gateway's own region); "
+                + ", ".join(f"model {m} has {r}" for m, r in near.items()))
+    return routing
 
 
 def _tracing(doc) -> Tracing | None:

@@ -37,6 +37,21 @@ its priority (give the nearest, lowest-latency region priority 0), and a request
 pays one round trip to it before the spill-over. Regions of equal priority share their load by
 LEAST_REQUEST, which favours the faster servers.
 
+`routing: load-aware` (opt-in; gateway/config.py) chooses the region by measured load instead:
+every answer of a server carries its ORCA load report (serving/load_report.py: generations in
+progress / its scaling target), and Envoy 1.40's load_aware_locality (work in progress upstream)
+weighs the regions, all localities of priority 0, by it: the near region (the node's own
+locality: the lowest priority's) takes every request while its utilization is at most
+LOAD_AWARE's utilization_variance_threshold above the others' (but for remote probes, 3 %), and
+past that each region gets a share in proportion to its headroom (1 - utilization); a region
+with no healthy server gets none (no panic routing). The policy draws the region once per try,
+and a retry's previous_hosts looks only inside the region drawn, so every remote region is also
+at priority 1, where previous_priorities sends a retry: a full region's 503 still spills over
+and a dead one's cut requests fail over. LEAST_REQUEST (WITHIN_REGION) picks the server in the
+region: client_side_weighted_round_robin on the same reports measured no better. The servers'
+reports are removed before answers reach clients. What it did, measured, and what Envoy's policy
+does not do: docs/gateway/regions-models-traces.md.
+
 Tracing (gateway.tracing): W3C trace context in and out, a span per hop, to an OTLP collector.
 """
 
@@ -57,9 +72,11 @@ from pathlib import Path
 
 from cubeserve import deploy
 from cubeserve.deploy import PREDICT_MODEL
-from cubeserve.gateway.config import GatewayConfig, Model
+from cubeserve.gateway.config import GatewayConfig, Model, Region
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.experiment import MODEL_KEY, TENANT_KEY
+from cubeserve.serving.load_report import GRPC_METADATA as LOAD_REPORT_BIN
+from cubeserve.serving.load_report import HEADER as LOAD_REPORT
 
 API_KEY_HEADER = "authorization"
 # The admin APIs by deploy.RESTRICTED_APIS category, as path prefixes refused at the edge, and the
@@ -109,6 +126,30 @@ MAX_CONNECTIONS = 10000  # client connections at once, all listeners together
 UPSTREAM_IDLE_S = deploy.HEADER_TIMEOUT_S / 2
 _ALL = {"numerator": 100, "denominator": "HUNDRED"}
 _TYPE = "type.googleapis.com/envoy.extensions."
+# routing: load-aware. Envoy's load_aware_locality (work in progress in 1.40) picks a region by
+# the utilization its servers report (ORCA, serving/load_report.py: requests in progress / the
+# scaling target), then LEAST_REQUEST picks a server in it. Measured: docs/gateway/regions-models-traces.md.
+LOAD_AWARE = {
+    "weight_update_period": "0.5s",  # region weights recomputed this often (Envoy's least: 0.1 s)
+    "smoothing_time_constant": "2s",  # of each region's utilization (a generation takes seconds)
+    # The near region keeps every request while its utilization is at most this far above the
+    # others' (one request in flight is 0.5 of the CPU target, 0.125 of the GPU one).
+    "utilization_variance_threshold": 0.25,
+    "remote_probe_fraction": 0.03,  # the share sent to the other regions to keep their reports fresh
+    "weight_expiration_period": "5s",  # a server's report is forgotten after this long
+}
+# The server in a region, with load-aware routing: least_request (FULL_SCAN), or
+# client_side_weighted_round_robin (weights qps / utilization from the reports; CSWRR below),
+# which measured no better, one server busy with a load the gateway does not see
+# (docs/gateway/regions-models-traces.md; bench/gateway.py --within-region): LEAST_REQUEST needs
+# no reports and no blackout, and its count is never stale.
+WITHIN_REGION = "least_request"
+CSWRR = {
+    "blackout_period": "2s",  # a server's weight is used once it has reported for this long
+    "weight_expiration_period": "30s",
+    "weight_update_period": "1s",
+    "error_utilization_penalty": 1.0,  # eps / qps added to the utilization (a busy server's 503s)
+}
 
 
 def envoy_binary() -> str:
@@ -264,33 +305,40 @@ def model_cluster(model: Model) -> str:
     return f"model.{model.name}"
 
 
-def _model_cluster(config: GatewayConfig, model: Model) -> dict:
-    """A model's servers: one locality per region at its priority (priorities made contiguous
-    from 0, as Envoy wants them), LEAST_REQUEST among the healthy servers of the first priority
-    with enough of them (the overprovisioning factor), active health checks and outlier
-    detection deciding which are healthy."""
+def _localities(config: GatewayConfig, model: Model) -> list[tuple[int, Region]]:
+    """(Envoy priority, region) of each locality. `priority`: a region at its priority, made
+    contiguous from 0 as Envoy wants them. `load-aware`: every region at priority 0, where
+    load_aware_locality weighs them by their reports (the near one is the node's own locality,
+    render()), and every other region again at priority 1, for the retries: its policy draws the
+    region once per try and a retry's previous_hosts looks only inside it, so a region answering
+    503 would get the retry too; previous_priorities sends it to priority 1, the others. (Those
+    servers are two hosts to Envoy, each health-checked.)"""
+    if config.routing == "load-aware":
+        return [(0, r) for r in model.regions] + [(1, r) for r in model.regions[1:]]
     rank = {p: i for i, p in enumerate(sorted({r.priority for r in model.regions}))}
+    return [(rank[r.priority], r) for r in model.regions]
+
+
+def _model_cluster(config: GatewayConfig, model: Model) -> dict:
+    """A model's servers: one locality per region (_localities), LEAST_REQUEST among the healthy
+    servers of the first priority with enough of them (the overprovisioning factor), or by load
+    (load-aware), active health checks and outlier detection deciding which are healthy."""
+    load_aware = config.routing == "load-aware"
     interval = config.health_check_interval_s
     many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
-    return {
+    cluster = {
         "name": model_cluster(model), "connect_timeout": "2s", "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _TYPE + "upstreams.http.v3.HttpProtocolOptions",
             "common_http_protocol_options": {"idle_timeout": _duration(UPSTREAM_IDLE_S)},
             "explicit_http_config": {"http_protocol_options": {}}}},
-        # LEAST_REQUEST. Its default picks the better of 2 hosts drawn at random (with
-        # replacement): of 2 backends it draws the slow one twice a quarter of the time. A full
-        # scan takes the backend with the fewest requests in flight (ties at random).
-        "load_balancing_policy": {"policies": [{"typed_extension_config": {
-            "name": "envoy.load_balancing_policies.least_request",
-            "typed_config": {"@type": _TYPE + "load_balancing_policies.least_request.v3.LeastRequest",
-                             "selection_method": "FULL_SCAN"}}}]},
+        "load_balancing_policy": _load_aware_policy() if load_aware else _least_request(),
         "load_assignment": {
             "cluster_name": model_cluster(model),
             "policy": {"overprovisioning_factor": round(config.overprovisioning * 100)},
-            "endpoints": [{"locality": {"region": r.name}, "priority": rank[r.priority], "lb_endpoints": [
+            "endpoints": [{"locality": {"region": r.name}, "priority": priority, "lb_endpoints": [
                 {"endpoint": {"address": _socket(host, port)}} for host, port in r.backends]}
-                for r in model.regions]},
+                for priority, r in _localities(config, model)]},
         # no_traffic_interval: Envoy's default (60 s) holds from the first check until a host has
         # had traffic, so a server that died before its first request would be seen a minute late.
         "health_checks": [{"timeout": _duration(max(1.0, interval)), "interval": _duration(interval),
@@ -304,6 +352,37 @@ def _model_cluster(config: GatewayConfig, model: Model) -> dict:
         "circuit_breakers": {"thresholds": [{**many, "retry_budget": {
             "budget_percent": {"value": RETRY_BUDGET_PERCENT}, "min_retry_concurrency": MIN_RETRIES_AT_ONCE}}]},
     }
+    if load_aware:
+        # Only healthy servers, however few: a dead region's share would otherwise be "panic"
+        # (Envoy's default: under 50 % healthy, all servers, dead ones too).
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+    return cluster
+
+
+def _least_request() -> dict:
+    """LEAST_REQUEST. Its default picks the better of 2 hosts drawn at random (with replacement):
+    of 2 backends it draws the slow one twice a quarter of the time. A full scan takes the backend
+    with the fewest requests in flight (ties at random)."""
+    return {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.least_request",
+        "typed_config": {"@type": _TYPE + "load_balancing_policies.least_request.v3.LeastRequest",
+                         "selection_method": "FULL_SCAN"}}}]}
+
+
+def _cswrr() -> dict:
+    return {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.client_side_weighted_round_robin",
+        "typed_config": {"@type": _TYPE + "load_balancing_policies.client_side_weighted_round_robin.v3."
+                                          "ClientSideWeightedRoundRobin", **CSWRR}}}]}
+
+
+def _load_aware_policy() -> dict:
+    """load_aware_locality (LOAD_AWARE) choosing the region, WITHIN_REGION the server in it."""
+    within = _least_request() if WITHIN_REGION == "least_request" else _cswrr()
+    return {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.load_aware_locality",
+        "typed_config": {"@type": _TYPE + "load_balancing_policies.load_aware_locality.v3.LoadAwareLocality",
+                         "endpoint_picking_policy": within, **LOAD_AWARE}}}]}
 
 
 def render(config: GatewayConfig) -> dict:
@@ -350,6 +429,8 @@ def render(config: GatewayConfig) -> dict:
                     "headers_to_add": [{"header": {"key": "retry-after", "value": str(CONCURRENCY_RETRY_AFTER_S)},
                                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}]},
                 **tracing)
+    # The servers' load reports are for the gateway, not for clients.
+    edge["typed_config"]["route_config"]["response_headers_to_remove"] = [LOAD_REPORT, LOAD_REPORT_BIN]
     default = config.models[0]
     inner_routes = [_model_route(m, {"safe_regex": {"regex": model_path(m)}}) for m in config.models]
     inner_routes.append(_unknown_model(config))
@@ -366,8 +447,11 @@ def render(config: GatewayConfig) -> dict:
     if config.tracing:
         clusters.append(_collector_cluster(config.tracing.collector))
     admin = {"address": _socket("127.0.0.1", config.admin_port)}
+    node = {"id": "cube-serve-gateway", "cluster": "cube-serve-gateway"}
+    if config.near_region:  # load-aware: the near region is the "local" locality of each cluster
+        node["locality"] = {"region": config.near_region}
     return {
-        "node": {"id": "cube-serve-gateway", "cluster": "cube-serve-gateway"},
+        "node": node,
         "admin": admin,
         "bootstrap_extensions": [{"name": "envoy.bootstrap.internal_listener", "typed_config": {
             "@type": _TYPE + "bootstrap.internal_listener.v3.InternalListener"}}],
@@ -543,7 +627,10 @@ class Gateway:
         return sum(stats.get(f"cluster.{model_cluster(m)}.membership_healthy", 0) for m in self.config.models)
 
     def wait_healthy(self, count: int | None = None, timeout: float = 30.0) -> None:
-        count = len(self.config.backends) if count is None else count
+        """Until `count` servers are healthy (default: every server Envoy has, a load-aware
+        gateway's remote ones twice: _localities)."""
+        if count is None:
+            count = sum(len(r.backends) for m in self.config.models for _, r in _localities(self.config, m))
         deadline = time.monotonic() + timeout
         while self.healthy_backends() < count:
             if time.monotonic() > deadline:

@@ -10,7 +10,8 @@ sends reaches Triton's JSON parser: this front end reads the body within a bound
 parses it with Python's json module (which fails cleanly on any depth), checks it against the
 shape of the v2 request it may be (400 naming the field otherwise), and forwards a document it
 wrote itself: compact JSON of bounded size and depth, `Content-Type: application/json`, and the
-binary tensor extension's header recomputed. Responses come back as Triton wrote them.
+binary tensor extension's header recomputed. Responses come back as Triton wrote them, with the
+server's load report added (the header endpoint-load-metrics: serving/load_report.py).
 
 What it lets through, and to whom (the categories of Triton's --http-restricted-api):
 * to everyone: health, server and model metadata, model config, and inference (`infer`,
@@ -47,6 +48,8 @@ from cubeserve import deploy, tracing
 from cubeserve.serving import checks, stubs
 from cubeserve.serving.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
                                       OUTPUT_PARAMETERS, REQUEST_PARAMETERS, Refused)
+from cubeserve.serving.load_report import HEADER as LOAD_HEADER
+from cubeserve.serving.load_report import LoadReport
 from cubeserve.serving.protocol import DATATYPES as MODEL_DATATYPES
 from cubeserve.serving.protocol import INPUTS as MODEL_INPUTS
 
@@ -66,6 +69,7 @@ ADMIN = re.compile(
 # makes tritonserver hand them to the models), and the response encodings Triton may use.
 FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant|model)$")
 RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
+GENERATIONS = ("infer", "generate")  # the kinds of request the load report counts (serving/load_report.py)
 _HEADER_LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "١٢"
 LISTEN_BACKLOG = 128
 MAX_ERROR_BODY = 64 * 1024  # an error answer read whole to look at it (Triton's: a line of JSON)
@@ -343,18 +347,21 @@ class FrontEnd(LoopThread):
     """The front end on `host:port`, forwarding to tritonserver's REST endpoint on the loopback
     port `upstream_port`. `admin_key` is the key clients give for the restricted APIs;
     `upstream_key` the one tritonserver was started with (serving/supervisor.py: a key of its
-    own, so that the admin key is on no command line)."""
+    own, so that the admin key is on no command line). `load`: the server's load report, which
+    every answer carries (serving/load_report.py; the supervisor shares one with the gRPC front
+    end)."""
 
     what = "REST front end"
 
     def __init__(self, host: str, port: int, upstream_port: int, admin_key: str, upstream_key: str | None = None,
                  max_body: int = deploy.MAX_REQUEST_BYTES, max_admin_body: int = deploy.MAX_ADMIN_REQUEST_BYTES,
-                 limits: Limits = Limits()):
+                 limits: Limits = Limits(), load: LoadReport | None = None):
         self.host, self.port, self.upstream = host, port, f"http://127.0.0.1:{upstream_port}"
         self.admin_key = admin_key.encode()
         self.upstream_key = upstream_key or admin_key
         self.max_body, self.max_admin_body = max_body, max_admin_body
         self.limits = limits
+        self.load = load or LoadReport(deploy.SCALE_TARGET)
         self._buffered = 0  # body bytes being read now (Limits.body_bytes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -373,7 +380,12 @@ class FrontEnd(LoopThread):
                 # The body is not read: drop the rest unread (no decompression) for linger_s, then
                 # close, instead of aiohttp's lingering read through the decoder.
                 request.protocol.close()
-            return _error(exc.status, str(exc))
+            return self._reported(_error(exc.status, str(exc)))
+
+    def _reported(self, response: web.StreamResponse) -> web.StreamResponse:
+        """`response` with the server's load report (its head not sent yet)."""
+        response.headers[LOAD_HEADER] = self.load.header()
+        return response
 
     def _authorized(self, request: web.Request) -> bool:
         # Header values arrive as UTF-8 with surrogate escapes: any bytes compare, none raise.
@@ -406,7 +418,7 @@ class FrontEnd(LoopThread):
                 raise Refused(413, f"body: {request.content_length} bytes, at most {limit} are accepted")
         except Refused as exc:
             request.protocol.close()  # the client may send the body anyway: not read
-            return _error(exc.status, str(exc))
+            return self._reported(_error(exc.status, str(exc)))
         if request.headers.get("Expect", "").lower() != "100-continue":
             return _error(417, f"Expect: {request.headers.get('Expect')!r} is not supported")
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -447,7 +459,19 @@ class FrontEnd(LoopThread):
                 headers["Inference-Header-Content-Length"] = str(json_length)
         if kind == "admin":
             headers[deploy.ADMIN_HEADER] = self.upstream_key
-        return await self._forward(request, headers, body)
+        if kind not in GENERATIONS:
+            return await self._forward(request, headers, body)
+        self.load.started()  # in progress until its answer has ended
+        failed = False
+        try:
+            response = await self._forward(request, headers, body)
+            failed = response.status >= 500
+            return response
+        except Refused as exc:
+            failed = exc.status >= 500
+            raise
+        finally:
+            self.load.finished(failed)
 
     async def _read(self, request: web.Request, limit: int, counted: bool = True) -> bytes:
         """The body, at most `limit` bytes (413 past it, before reading it all), within
@@ -514,6 +538,7 @@ class FrontEnd(LoopThread):
                     response.headers[name] = upstream.headers[name]
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
+            self._reported(response)
             await response.prepare(request)
             if answer is not None:
                 await response.write(answer)

@@ -20,6 +20,10 @@ preface and SETTINGS: a silent or slow connection), idle connections and streams
 keepalive pings, and a message's size: deploy.MAX_REQUEST_BYTES, so a model load carrying its files
 (bigger) goes over REST.
 
+Every call ends with the server's load report in its trailing metadata (endpoint-load-metrics-bin
+and, as text, endpoint-load-metrics: serving/load_report.py), refused ones included; a ModelInfer
+and each request of a stream count as in progress until answered.
+
 It runs in the supervisor on a thread with its own asyncio loop, as the REST front end does.
 """
 
@@ -47,6 +51,7 @@ from cubeserve import deploy, tracing  # noqa: E402
 from cubeserve.serving import checks, stubs  # noqa: E402
 from cubeserve.serving.checks import MAX_ELEMENTS, MAX_RANK, MAX_TENSORS, Refused  # noqa: E402
 from cubeserve.serving.front import TRACE_SERVICE, LoopThread  # noqa: E402
+from cubeserve.serving.load_report import LoadReport  # noqa: E402
 
 log = logging.getLogger("cubeserve.grpc_front")
 
@@ -149,14 +154,32 @@ def _dead_stub_response(raw: bytes) -> bytes:
 
 
 class _StreamActivity:
-    """A stream's requests in progress (forwarded, their final response not yet back) and when it
-    last carried a message either way."""
+    """A stream's requests in progress (forwarded, their final response not yet back), counted in
+    the server's load report too, and when it last carried a message either way."""
 
-    def __init__(self):
+    def __init__(self, load: LoadReport | None = None):
         self.outstanding, self.last = 0, time.monotonic()
+        self.load = load
 
     def touch(self) -> None:
         self.last = time.monotonic()
+
+    def forwarded(self) -> None:
+        self.outstanding += 1
+        if self.load is not None:
+            self.load.started()
+
+    def _ended(self) -> None:
+        if self.outstanding > 0:
+            self.outstanding -= 1
+            if self.load is not None:
+                self.load.finished()
+
+    def close(self) -> None:
+        """The stream is over: what is still in progress on it is no longer the server's load."""
+        while self.outstanding > 0:
+            self._ended()
+        self.load = None
 
     def answered(self, raw: bytes) -> None:
         """A response from Triton: final unless it says otherwise (a decoupled model's progress
@@ -167,7 +190,7 @@ class _StreamActivity:
             final = response.infer_response.parameters.get(FINAL_RESPONSE.decode())
             if final is not None and not final.bool_param and not response.error_message:
                 return
-        self.outstanding = max(self.outstanding - 1, 0)
+        self._ended()
 
     def idle_for(self, seconds: float) -> bool:
         return self.outstanding == 0 and time.monotonic() - self.last >= seconds
@@ -175,20 +198,23 @@ class _StreamActivity:
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
           503: grpc.StatusCode.UNAVAILABLE}
+_FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)  # the server's failures, in the load report
 
 
 class GrpcFrontEnd(LoopThread):
     """The gRPC front end on `host:port`, forwarding to tritonserver's gRPC endpoint on the
-    loopback port `upstream_port`; keys as serving/front.py's FrontEnd."""
+    loopback port `upstream_port`; keys and `load` as serving/front.py's FrontEnd."""
 
     what = "gRPC front end"
 
     def __init__(self, host: str, port: int, upstream_port: int, admin_key: str, upstream_key: str | None = None,
-                 max_message: int = deploy.MAX_REQUEST_BYTES, limits: GrpcLimits = GrpcLimits()):
+                 max_message: int = deploy.MAX_REQUEST_BYTES, limits: GrpcLimits = GrpcLimits(),
+                 load: LoadReport | None = None):
         self.host, self.port, self.upstream = host, port, f"127.0.0.1:{upstream_port}"
         self.admin_key = admin_key.encode()
         self.upstream_key = upstream_key or admin_key
         self.max_message, self.limits = max_message, limits
+        self.load = load or LoadReport(deploy.SCALE_TARGET)
         self.stopping = False  # set by the supervisor once tritonserver is told to stop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
@@ -229,7 +255,8 @@ class GrpcFrontEnd(LoopThread):
                 except DecodeError as exc:
                     raise Refused(400, f"request: not a {OPEN[method].__name__} ({exc})") from None
         except Refused as exc:
-            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), str(exc),
+                                self.load.trailing_metadata())
         tracer = tracing.tracer(TRACE_SERVICE) if method == INFER else None
         if tracer is None:
             return await self._call(method, raw, metadata, context)
@@ -243,10 +270,22 @@ class GrpcFrontEnd(LoopThread):
                                     context)
 
     async def _call(self, method: str, raw: bytes, metadata: list, context: grpc.aio.ServicerContext) -> bytes:
+        """The call forwarded; its answer (or error) ends with the load report, taken while a
+        ModelInfer still counts as in progress."""
+        counted, failed = method == INFER, False
+        if counted:
+            self.load.started()
         try:
-            return await self._channel.unary_unary(method)(raw, metadata=metadata, timeout=context.time_remaining())
+            reply = await self._channel.unary_unary(method)(raw, metadata=metadata, timeout=context.time_remaining())
+            context.set_trailing_metadata(self.load.trailing_metadata())
+            return reply
         except grpc.aio.AioRpcError as exc:
-            await context.abort(*self._unavailable(exc))
+            code, details = self._unavailable(exc)
+            failed = code in _FAILED
+            await context.abort(code, details, self.load.trailing_metadata())
+        finally:
+            if counted:
+                self.load.finished(failed)
 
     async def _stream(self, requests, context: grpc.aio.ServicerContext):
         """ModelStreamInfer: each request checked on its way up; a refused one is answered with an
@@ -257,10 +296,10 @@ class GrpcFrontEnd(LoopThread):
         try:
             metadata = self._metadata(context, admin=False)
         except Refused as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc), self.load.trailing_metadata())
         out: asyncio.Queue = asyncio.Queue()
         done, idle = object(), object()
-        activity = _StreamActivity()
+        activity = _StreamActivity(self.load)
 
         async def checked():
             async for raw in requests:
@@ -278,7 +317,7 @@ class GrpcFrontEnd(LoopThread):
                         infer_response=pb.ModelInferResponse(id=request.id[:256], model_name=request.model_name[:256])
                     ).SerializeToString())
                     continue
-                activity.outstanding += 1
+                activity.forwarded()
                 yield forwarded
 
         call = self._channel.stream_stream(STREAM)(checked(), metadata=metadata, timeout=context.time_remaining())
@@ -302,15 +341,17 @@ class GrpcFrontEnd(LoopThread):
             while True:
                 item = await out.get()
                 if item is done:
+                    context.set_trailing_metadata(self.load.trailing_metadata())
                     return
                 if item is idle:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, (
                         f"unavailable: the stream had no request in progress for {self.limits.idle_s:g} s and was "
-                        "closed; open a new one"))
+                        "closed; open a new one"), self.load.trailing_metadata())
                 if isinstance(item, grpc.aio.AioRpcError):
-                    await context.abort(*self._unavailable(item))
+                    await context.abort(*self._unavailable(item), self.load.trailing_metadata())
                 await context.write(item)
         finally:
+            activity.close()
             relaying.cancel()
             watching.cancel()
             call.cancel()

@@ -34,7 +34,9 @@ HTTP and gRPC): clients give the key in $CUBE3D_ADMIN_KEY (or a random key nobod
 is unset, or the key `--admin-key-file` names, written there for the server's life), which the
 front ends check; tritonserver itself is locked with a key of its own, made at each start, so
 that the admin key is on no process's command line (tritonserver's key is: a local user who can
-list processes and reach its loopback ports can use it; docs/security.md).
+list processes and reach its loopback ports can use it; docs/security.md). Both front ends count
+the server's generations in progress in one load report (serving/load_report.py), which every
+answer carries, scaled by the target of the engine's config in the model repository.
 
 The front ends hold bounded resources (front.Limits, grpc_front.GrpcLimits): the supervisor
 raises its open-file limit (to its hard limit, at most OPEN_FILES) and sizes the connection caps
@@ -76,6 +78,7 @@ from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.drain import clear_markers, in_progress, is_draining
 from cubeserve.serving.front import LISTEN_BACKLOG, FrontEnd, Limits
 from cubeserve.serving.grpc_front import GrpcFrontEnd, GrpcLimits
+from cubeserve.serving.load_report import LoadReport
 from cubeserve.serving.stubs import (kill_leftover_stubs, orphan_regions, remove_regions, shm_regions,
                                      stub_processes)
 
@@ -228,10 +231,14 @@ class Supervisor:
         self.admin_headers = {deploy.ADMIN_HEADER: server_key}  # the supervisor's own calls to tritonserver
         self.admin_key, self.admin_key_file = key, admin_key_file
         rest_limits, grpc_limits = limits or front_limits(raise_open_files())
-        self.fronts = [FrontEnd(rest_address, rest_port, http_port(command), key, server_key, limits=rest_limits)]
+        # One load report for both front ends: the server's requests in progress, whichever port
+        # they came by; its scaling target and max_objects from the engine's config.
+        self.load = LoadReport.for_repository(_flag(command, "--model-repository") or _flag(command, "--model-store"))
+        self.fronts = [FrontEnd(rest_address, rest_port, http_port(command), key, server_key, limits=rest_limits,
+                                load=self.load)]
         if grpc_port is not None and _flag(command, "--allow-grpc") not in ("false", "0"):
             self.fronts.append(GrpcFrontEnd(grpc_address, grpc_port, _port(command, "--grpc-port", 8001), key,
-                                            server_key, limits=grpc_limits))
+                                            server_key, limits=grpc_limits, load=self.load))
         self.poll_s, self.fault_grace_s, self.drained_grace_s = poll_s, fault_grace_s, drained_grace_s
         self.index_url = f"http://127.0.0.1:{http_port(command)}/v2/repository/index"
         self.metrics_url = f"http://127.0.0.1:{_port(command, '--metrics-port', 8002)}/metrics"
