@@ -22,11 +22,11 @@ install: $(VENV)/.installed
 # builds and downloads. The cluster tests are `make cluster-test`.
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale and not soak and not node" --durations=30  # the slowest 30, to keep the suite within its time
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale and not soak and not node and not autoscaling" --durations=30  # the slowest 30, to keep the suite within its time
 
 # The inner loop: everything but the image build (tests/test_image.py, marker `image`).
 test-quick: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak and not node"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak and not node and not autoscaling"
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # the demo model is copied into the version directories on first use. Other ports:
@@ -134,6 +134,16 @@ gateway-e2e-test: install trace-backend
 .PHONY: scale-test
 scale-test: install
 	$(PY) -m pytest -q -m scale tests/test_autoscaling.py tests/test_usage.py
+
+# The real autoscaling controllers (docs/development.md, "Autoscaling tests"): KEDA's operator and
+# metrics adapter built from Go modules like the control plane; then (tests/test_keda.py, marker
+# `autoscaling`; not part of `make test`) KServe's ScaledObject, KEDA's HPA and kube-controller-
+# manager's HPA controller scaling the predictor's Deployment on two real servers' load.
+.PHONY: autoscaling autoscaling-test
+autoscaling: control-plane
+	nice -n 10 $(PYTHON) cluster/build.py autoscaling
+autoscaling-test: install autoscaling
+	$(PY) -m pytest -q -m autoscaling tests/test_keda.py tests/test_knative.py -s
 
 # The soak (marker `soak`; not part of `make test`): 16 clients through the predict model, REST and
 # gRPC, for SOAK_S seconds; fails on a lost or wrong answer or any python backend stub crash.

@@ -6,6 +6,8 @@ named groups, one per make target that builds one:
                    controller manager (one per KServe release kept): `make control-plane`, which
                    `make cluster-test` runs first (tests/test_cluster.py)
     trace-backend  Jaeger v2: `make trace-backend`, which `make gateway-e2e-test` runs first
+    autoscaling    KEDA's operator and metrics adapter: `make autoscaling`, which
+                   `make autoscaling-test` runs first (tests/test_keda.py)
     node           a real node: kubelet and kube-proxy, containerd (with its runc shim and ctr), runc
                    and the CNI plugins: `make node`, which `make node-test` runs first
                    (tests/test_node.py)
@@ -95,6 +97,32 @@ _KSERVE_LOOPBACK = Patch("cmd/manager/main.go", _WEBHOOK_SERVER,
 _KUBELET_KEEPS_SYSCTLS = Patch("pkg/kubelet/cm/container_manager_linux.go", "b := KernelTunableModify",
                                "b := KernelTunableWarn // cube-serve: never rewrite the machine's kernel settings")
 
+# KEDA's metrics adapter serves its own /metrics on every interface (cmd/adapter/main.go,
+# RunMetricsServer: ":<port>", no flag for the host); every other listener of KEDA takes a flag.
+_KEDA_ADAPTER_LOOPBACK = Patch("cmd/adapter/main.go", 'metricsBindAddress := fmt.Sprintf(":%v", metricsAPIServerPort)',
+                               'metricsBindAddress := fmt.Sprintf("127.0.0.1:%v", metricsAPIServerPort) // cube-serve: loopback only')
+
+# Knative Serving's controller and webhook listen through knative.dev/pkg, on every interface and
+# with no flag for the host: the profiling server (observability/runtime/pprof.go
+# NewProfilingServer, ":"+$PROFILING_PORT, listening even with profiling off), the health probes
+# (injection/health_check.go ServeHealthProbes, ":8080", a constant) and the admission webhook
+# (webhook/webhook.go Run, ":"+$WEBHOOK_PORT). So SPECS["knative-serving"] patches knative.dev/pkg
+# (its `module`; its assets come from knative.dev/serving, networking and caching, read by
+# _knative_assets): every listener on 127.0.0.1, and the probes' port from $PROBES_PORT where set
+# (a fixed 8080 could be taken), the others' ports from the environment as they are
+# (tests/knative_stack.py). The Prometheus exporter takes METRICS_PROMETHEUS_HOST and is off by
+# default (observability/metrics/config.go DefaultConfig: protocol "none").
+_KNATIVE_PPROF_LOOPBACK = Patch("observability/runtime/pprof.go", 'Addr:    ":" + port,',
+                                'Addr:    "127.0.0.1:" + port, // cube-serve: loopback only')
+_KNATIVE_PROBES_OS = Patch("injection/health_check.go", '\t"net/http"\n\t"strconv"', '\t"net/http"\n\t"os"\n\t"strconv"')
+_KNATIVE_PROBES_LOOPBACK = Patch(
+    "injection/health_check.go", 'Addr: ":" + strconv.Itoa(port)}',
+    'Addr: "127.0.0.1:" + strconv.Itoa(port)} // cube-serve: loopback only\n'
+    '\tif p, err := strconv.Atoi(os.Getenv("PROBES_PORT")); err == nil { // cube-serve: a free port\n'
+    '\t\tserver.Addr = "127.0.0.1:" + strconv.Itoa(p)\n\t}')
+_KNATIVE_WEBHOOK_LOOPBACK = Patch("webhook/webhook.go", 'Addr:              fmt.Sprint(":", wh.Options.Port),',
+                                  'Addr:              fmt.Sprint("127.0.0.1:", wh.Options.Port), // cube-serve: loopback only')
+
 SPECS = {
     "kubernetes": Spec({"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
                         "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
@@ -121,8 +149,21 @@ SPECS = {
                          for plugin in ("main/bridge", "ipam/host-local", "main/loopback", "meta/portmap")},
                         lambda v: [f"-X github.com/containernetworking/plugins/pkg/utils/buildversion.BuildVersion={v}"],
                         group="node"),
+    # The autoscaling controllers (make autoscaling): KEDA's operator and metrics adapter; the HPA
+    # that KEDA makes runs in the control plane's kube-controller-manager.
+    "keda": Spec({"keda-operator": "github.com/kedacore/keda/v2/cmd/operator",
+                  "keda-adapter": "github.com/kedacore/keda/v2/cmd/adapter"},
+                 lambda v: [f"-X github.com/kedacore/keda/v2/version.Version={v}"],
+                 module="github.com/kedacore/keda/v2", group="autoscaling", patches=(_KEDA_ADAPTER_LOOPBACK,)),
+    # Knative Serving v0.48.1 (the release KServe v0.20.0 pins): its controller and webhook, for the
+    # Serverless mode (tests/test_knative.py); not its autoscaler or activator.
+    "knative-serving": Spec({"controller": "knative.dev/serving/cmd/controller",
+                             "webhook": "knative.dev/serving/cmd/webhook"},
+                            module="knative.dev/pkg", group="autoscaling",
+                            patches=(_KNATIVE_PPROF_LOOPBACK, _KNATIVE_PROBES_OS, _KNATIVE_PROBES_LOOPBACK,
+                                     _KNATIVE_WEBHOOK_LOOPBACK)),
 }
-GROUPS = tuple(dict.fromkeys(spec.group for spec in SPECS.values()))  # control-plane, trace-backend
+GROUPS = tuple(dict.fromkeys(spec.group for spec in SPECS.values()))  # control-plane, trace-backend, ...
 DEFAULT_GROUP = "control-plane"
 
 
@@ -337,6 +378,36 @@ def _kserve_assets(comp: Component, module: Path) -> None:
     shutil.copyfile(module / "config" / "webhook" / "manifests.yaml", comp.share / "webhook-manifests.yaml")
 
 
+def _keda_assets(comp: Component, module: Path) -> None:
+    # Every CRD of the release (the operator watches ScaledJobs, the trigger authentications and the
+    # CloudEventSources too, and fails to start without them), from the module zip it was built from.
+    crds = comp.share / "crd"
+    crds.mkdir(parents=True)
+    for path in sorted((module / "config" / "crd" / "bases").glob("*.yaml")):
+        shutil.copyfile(path, crds / path.name)
+
+
+def _knative_assets(comp: Component, module: Path) -> None:
+    # `module` is knative.dev/pkg (the patched one); the CRDs and ConfigMaps are knative.dev/serving's
+    # (config/core/: 300-resources/ the CRDs, configmaps/ the config-* ConfigMaps, webhooks/ the
+    # webhook configurations) and, where Knative's repository links them from knative.dev/networking
+    # and knative.dev/caching (a module zip keeps no links), those modules' config/ (the KIngress,
+    # ServerlessService, Certificate and ClusterDomainClaim CRDs, config-network; the Image CRD,
+    # whose informer the revision reconciler starts): all at the wrapper's versions.
+    modules = ("knative.dev/serving", "knative.dev/networking", "knative.dev/caching")
+    out = subprocess.run(["go", "mod", "download", "-json", *modules],
+                         cwd=comp.wrapper, env=go_env(), check=True, capture_output=True, text=True).stdout
+    dirs = {m["Path"]: Path(m["Dir"]) for m in json.loads("[" + out.replace("}\n{", "},\n{") + "]")}
+    serving, networking, caching = (dirs[m] / "config" for m in modules)
+    serving = serving / "core"
+    for folder in ("crd", "config"):
+        (comp.share / folder).mkdir(parents=True, exist_ok=True)
+    for path in [*(serving / "300-resources").glob("*.yaml"), *networking.glob("*.yaml"), *caching.glob("*.yaml"),
+                 *(serving / "configmaps").glob("*.yaml"), *(serving / "webhooks").glob("*.yaml")]:
+        crd = path.parent.name in ("300-resources", "config") and path.name != "config-network.yaml"
+        shutil.copyfile(path, comp.share / ("crd" if crd else "config") / path.name)
+
+
 def _cgo_env(comp: Component, env: dict[str, str]) -> dict[str, str]:
     # runc's seccomp tag links libseccomp (Debian: libseccomp-dev at build time, libseccomp2 to run).
     if "seccomp" in comp.spec.tags and subprocess.run(["pkg-config", "--exists", "libseccomp"]).returncode:
@@ -369,6 +440,10 @@ def build(comp: Component, env: dict[str, str], say=print) -> dict:
         _kwok_assets(comp, module)
     if comp.name == "kserve":
         _kserve_assets(comp, module)
+    if comp.name == "keda":
+        _keda_assets(comp, module)
+    if comp.name == "knative-serving":
+        _knative_assets(comp, module)
     say(f"{comp.key}: compiling {', '.join(comp.spec.commands)}")
     staging = Path(tempfile.mkdtemp(dir=home))
     build_s, build_mib = 0.0, 0

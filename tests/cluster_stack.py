@@ -169,8 +169,10 @@ class PKI:
         return key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
 
     def issue(self, name: str, common_name: str, organization: str | None = None, server: bool = False,
-              hosts: tuple[str, ...] = ()) -> tuple[Path, Path]:
-        """(certificate, key) files for a client (default) or a server of `hosts`."""
+              hosts: tuple[str, ...] = (), client_too: bool = False, days: float = 1) -> tuple[Path, Path]:
+        """(certificate, key) files for a client (default) or a server of `hosts` (and a client with
+        `client_too`: one certificate for both ends of a mutual TLS connection), valid for `days`
+        (at most the CA's 2)."""
         x509, NameOID = self._x509, self._name
         key = self._ec.generate_private_key(self._ec.SECP256R1())
         attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
@@ -179,8 +181,9 @@ class PKI:
         now = datetime.datetime.now(datetime.timezone.utc)
         builder = (x509.CertificateBuilder().subject_name(x509.Name(attrs)).issuer_name(self.ca.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.ExtendedKeyUsage([self._eku.SERVER_AUTH if server else self._eku.CLIENT_AUTH]),
+                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+                   .add_extension(x509.ExtendedKeyUsage(
+                       [self._eku.SERVER_AUTH] * server + [self._eku.CLIENT_AUTH] * (client_too or not server)),
                                   critical=False))
         if hosts:
             names = []
@@ -229,8 +232,12 @@ class Stack:
     """One control plane with KServe `kserve_release`'s manager, its state under `root`."""
 
     def __init__(self, kserve_release: str, root: Path, say: Callable[[str], None] = lambda line: None,
-                 fake_nodes: bool = True):
+                 fake_nodes: bool = True, before_kserve: Callable[["Stack"], None] | None = None):
         self.release, self.root, self.say, self.fake_nodes = kserve_release, root, say, fake_nodes
+        # Called after the CRDs, before KServe's manager starts: what the manager must find at its
+        # start (KServe v0.20.0 watches Knative Services only where their CRD is served then,
+        # InferenceServiceReconciler.SetupWithManager), e.g. tests/knative_stack.start.
+        self.before_kserve = before_kserve
         self.logs = root / "logs"
         self.processes: list[tuple[str, subprocess.Popen]] = []
         self.timings: dict[str, float] = {}
@@ -373,6 +380,8 @@ class Stack:
         if self.fake_nodes:
             self._nodes()
         self._crds()
+        if self.before_kserve:
+            self.before_kserve(self)
         self._kserve()
         self.timings["ready"] = time.monotonic() - t0
         self.say(f"stack with KServe {self.release} ready in {self.timings['ready']:.1f} s "
@@ -387,6 +396,10 @@ class Stack:
         sched = kubeconfig(self.root / "scheduler.kubeconfig", self.server, p.ca_file,
                            cert_user(*p.issue("scheduler", "system:kube-scheduler")))
         sa_key, sa_pub = p.service_account_keys()
+        # The aggregation layer's front proxy (an APIService such as KEDA's external metrics): the
+        # certificate kube-apiserver presents to an extension API server, which trusts the user
+        # headers of that name only.
+        proxy_cert, proxy_key = p.issue("front-proxy-client", "front-proxy-client")
 
         etcd = f"http://127.0.0.1:{ports['etcd']}"
         peer = f"http://127.0.0.1:{ports['etcd-peer']}"
@@ -406,7 +419,11 @@ class Stack:
             f"--client-ca-file={p.ca_file}", f"--service-account-issuer={self.server}",
             f"--service-account-key-file={sa_pub}", f"--service-account-signing-key-file={sa_key}",
             f"--service-cluster-ip-range={SERVICE_RANGE}", "--authorization-mode=Node,RBAC",
-            "--allow-privileged=true", "--endpoint-reconciler-type=none", "--profiling=false", "--v=1"])
+            "--allow-privileged=true", "--endpoint-reconciler-type=none", "--profiling=false", "--v=1",
+            f"--requestheader-client-ca-file={p.ca_file}", "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={proxy_cert}", f"--proxy-client-key-file={proxy_key}"])
         self._wait("kube-apiserver", lambda: self._get(f"{self.server}/readyz", self._admin_tls()) == "ok", 120)
         for name, binary, config, port in (("kube-controller-manager", "kube-controller-manager", kcm, "kcm"),
                                            ("kube-scheduler", "kube-scheduler", sched, "scheduler")):
