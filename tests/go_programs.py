@@ -42,3 +42,8 @@ def not_built(components: list) -> list[str]:
 def node_needs(kserve_release: str) -> list:
     """tests/test_node.py's stack and its real node (`make node-test`)."""
     return build.required("control-plane", kserve_release) + build.required("node")
+
+
+def autoscaling_needs(kserve_release: str) -> list:
+    """tests/test_keda.py's stack and KEDA (`make autoscaling-test`)."""
+    return build.required("control-plane", kserve_release) + build.required("autoscaling")

@@ -25,6 +25,7 @@ END_TO_END = {
     "scale": ("scale-test", lambda: []),
     "soak": ("soak-test", lambda: []),
     "node": ("node-test", lambda: go_programs.node_needs(build.kserve_releases()[0])),
+    "autoscaling": ("autoscaling-test", lambda: go_programs.autoscaling_needs(build.kserve_releases()[0])),
 }
 
 
