@@ -136,9 +136,11 @@ scale-test: install
 	$(PY) -m pytest -q -m scale tests/test_autoscaling.py tests/test_usage.py
 
 # The real autoscaling controllers (docs/development.md, "Autoscaling tests"): KEDA's operator and
-# metrics adapter built from Go modules like the control plane; then (tests/test_keda.py, marker
-# `autoscaling`; not part of `make test`) KServe's ScaledObject, KEDA's HPA and kube-controller-
-# manager's HPA controller scaling the predictor's Deployment on two real servers' load.
+# metrics adapter and Knative Serving's controller and webhook, built from Go modules like the
+# control plane; then (marker `autoscaling`; not part of `make test`) KServe's ScaledObject, KEDA's
+# HPA and kube-controller-manager's HPA controller scaling the predictor's Deployment on two real
+# servers' load (tests/test_keda.py), and the Serverless overlay as real Knative revisions
+# (tests/test_knative.py).
 .PHONY: autoscaling autoscaling-test
 autoscaling: control-plane
 	nice -n 10 $(PYTHON) cluster/build.py autoscaling

@@ -6,8 +6,9 @@ named groups, one per make target that builds one:
                    controller manager (one per KServe release kept): `make control-plane`, which
                    `make cluster-test` runs first (tests/test_cluster.py)
     trace-backend  Jaeger v2: `make trace-backend`, which `make gateway-e2e-test` runs first
-    autoscaling    KEDA's operator and metrics adapter: `make autoscaling`, which
-                   `make autoscaling-test` runs first (tests/test_keda.py)
+    autoscaling    KEDA's operator and metrics adapter, Knative Serving's controller and webhook:
+                   `make autoscaling`, which `make autoscaling-test` runs first (tests/test_keda.py,
+                   tests/test_knative.py)
     node           a real node: kubelet and kube-proxy, containerd (with its runc shim and ctr), runc
                    and the CNI plugins: `make node`, which `make node-test` runs first
                    (tests/test_node.py)

@@ -61,6 +61,8 @@ RUN_BY = {
     ("make", "trace-backend"): ("Makefile", "gateway-e2e-test: install trace-backend"),  # .ci/run's gateway-e2e-test
     ("make", "node"): ("Makefile", "node-test: install node"),  # .ci/run's node-test
     ("make", "node-test"): (".ci/run", "make node-test"),
+    ("make", "autoscaling"): ("Makefile", "autoscaling-test: install autoscaling"),  # .ci/run's autoscaling-test
+    ("make", "autoscaling-test"): (".ci/run", "make autoscaling-test"),
     ("cubeserve", "weights"): ("tests/test_cli.py", "test_weights_init_and_check"),
     ("cubeserve", "generate"): ("tests/test_cli.py", "test_generate_end_to_end"),
     ("curl",): ("tests/test_clients.py", "test_plain_json_request_gets_valid_json_with_the_mesh_in_base64"),
