@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints written once per session, engines built once."""
+"""Shared fixtures: tiny random checkpoints written once per session, engines built once, the
+documentation site built once."""
 
 from __future__ import annotations
 
@@ -43,6 +44,25 @@ def pytest_collection_modifyitems(items):
         raise pytest.UsageError(f"${ORDER_ENV} must be empty or 'reverse', got {os.environ[ORDER_ENV]!r}")
     order = {item: i for i, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), way * order[item]))
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory):
+    """The documentation site built once per session as `make docs` builds it (`mkdocs build
+    --strict`: any warning fails), into a temporary folder: tests/test_docs.py reads it,
+    tests/test_site_render.py opens every page in Chromium."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    site = tmp_path_factory.mktemp("site")
+    quiet = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}  # a banner, not the site's warning
+    result = subprocess.run([str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-d", str(site)],
+                            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                            env={**os.environ, **quiet}, timeout=300)
+    if result.returncode != 0:
+        pytest.fail(f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}", pytrace=False)
+    return site
 
 
 @pytest.fixture(scope="session")

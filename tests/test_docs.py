@@ -42,8 +42,6 @@ import reference  # noqa: E402
 SITE_URL = "https://cube-serve.readthedocs.io/en/latest/"
 RUNBOOKS = "operations/runbooks.html"
 KUBECTL = str(Path(sys.executable).parent / "kubectl")
-# Two plugins print a banner about MkDocs' future on every build; it is not a warning of the site.
-QUIET = {"NO_MKDOCS_2_WARNING": "1", "DISABLE_MKDOCS_2_WARNING": "true"}
 
 # A docs command -> the test file that runs it and a string in that file that shows it does.
 # Keys are the command's words up to its options (`cubeserve rollout canary`, `make pipeline`).
@@ -361,19 +359,17 @@ def test_every_alert_links_its_runbook_entry_and_every_entry_is_an_alerts():
             f"{name}: runbook_url: {SITE_URL}{RUNBOOKS}#{name.lower()}"
 
 
-def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_reference(tmp_path):
-    result = subprocess.run([str(Path(sys.executable).parent / "mkdocs"), "build", "--strict", "-d", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, env={**os.environ, **QUIET}, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    cli = (tmp_path / "reference" / "cli.html").read_text()
+def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_reference(built_site):
+    """conftest.py's built_site: `mkdocs build --strict`, a warning fails it."""
+    cli = (built_site / "reference" / "cli.html").read_text()
     for words in reference.commands():
         assert " ".join(words) in cli, words
-    metrics = (tmp_path / "reference" / "metrics.html").read_text()
+    metrics = (built_site / "reference" / "metrics.html").read_text()
     assert all(m.name in metrics for m in reference.metrics())
     for plot in ("tokens-per-second", "latency-vs-concurrency", "numerics"):
-        assert (tmp_path / "performance" / f"{plot}.svg").stat().st_size > 1000, plot
+        assert (built_site / "performance" / f"{plot}.svg").stat().st_size > 1000, plot
     # BENCHMARKS.md is included whole, not copied.
-    page = (tmp_path / "performance" / "benchmarks.html").read_text()
+    page = (built_site / "performance" / "benchmarks.html").read_text()
     headings = re.findall(r"^##+ ([^`\n]+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)
     assert headings and all(h.strip() in page for h in headings)
 

@@ -35,9 +35,9 @@ def commands() -> dict[tuple[str, ...], argparse.ArgumentParser]:
 
 
 def help_text(parser: argparse.ArgumentParser) -> str:
-    """`--help` as a terminal 100 columns wide prints it (argparse reads $COLUMNS)."""
+    """`--help` as a terminal 80 columns wide prints it (argparse reads $COLUMNS): it fits the page."""
     old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "100"
+    os.environ["COLUMNS"] = "80"
     try:
         return parser.format_help()
     finally:
