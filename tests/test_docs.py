@@ -374,6 +374,30 @@ def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_referen
     assert headings and all(h.strip() in page for h in headings)
 
 
+def test_the_benchmarks_summary_copies_its_figures_from_the_sections_it_links():
+    """BENCHMARKS.md's Summary: every number of a row's value, and its machine as written, are
+    in the section the row links to (a figure re-measured there and not copied fails here)."""
+    from markdown.extensions.toc import slugify
+
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    sections, heading = {}, None
+    for line in text.splitlines():
+        if found := re.match(r"^(#{2,3}) (.+)$", line):
+            heading = slugify(found[2].replace("`", ""), "-")
+            sections[heading] = ""
+        elif heading:
+            sections[heading] += line + "\n"
+    rows = re.findall(r"^\| (.+) \| (.+) \| (.+) \| \[.+\]\(#([a-z0-9_-]+)\) \|$", sections["summary"], re.M)
+    assert len(rows) >= 5, sections["summary"]
+    for figure, value, machine, anchor in rows:
+        section = sections[anchor]  # up to the next ## or ### heading
+        assert machine in section, f"{figure}: {machine!r} is not the machine of #{anchor}"
+        for number in re.findall(r"\d[\d.]*\d|\d", value):
+            assert re.search(rf"(?<![\d.]){re.escape(number)}(?![\d]|\.\d)", section), \
+                f"{figure}: {number} is not in #{anchor}"
+    assert "Not measured yet: anything on a GPU" in sections["summary"]
+
+
 # -- the predict API page: its tables are the code's, its examples run --------------------------------
 
 API_PAGE = ROOT / "docs" / "serving" / "api.md"
