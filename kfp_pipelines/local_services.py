@@ -74,7 +74,8 @@ def rclone_executable() -> str:
 
 
 class ObjectStore:
-    """`rclone serve s3 --addr 127.0.0.1:<free port> --auth-key ACCESS,SECRET <data_dir>`.
+    """`rclone serve s3 --addr 127.0.0.1:<free port> --auth-key ACCESS,SECRET <data_dir>` (or on
+    `host`, an address of a network namespace the caller made: the node tests' pods dial it).
 
     `endpoint` (http://127.0.0.1:PORT), `access_key`, `secret_key`, `region`; `env()` gives the
     environment variables that KServe's S3 Secret and storage initializer use (and the
@@ -86,12 +87,13 @@ class ObjectStore:
 
     region = "us-east-1"
 
-    def __init__(self, data_dir: str | Path, access_key: str = "", secret_key: str = "", keep: bool = False):
+    def __init__(self, data_dir: str | Path, access_key: str = "", secret_key: str = "", keep: bool = False,
+                 host: str = HOST):
         self.data_dir = Path(data_dir)
         self.keep = keep
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
-        self.port = free_port()
-        self.endpoint = f"http://{HOST}:{self.port}"
+        self.host, self.port = host, free_port()
+        self.endpoint = f"http://{host}:{self.port}"
         self.access_key = access_key or "cube-serve-" + secrets.token_hex(4)
         self.secret_key = secret_key or secrets.token_hex(16)
         self.process: subprocess.Popen | None = None
@@ -131,7 +133,7 @@ class ObjectStore:
         self.data_dir.mkdir(parents=True, exist_ok=self.keep)
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [rclone_executable(), "serve", "s3", "--addr", f"{HOST}:{self.port}",
+            [rclone_executable(), "serve", "s3", "--addr", f"{self.host}:{self.port}",
              "--auth-key", f"{self.access_key},{self.secret_key}", str(self.data_dir)],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "RCLONE_CONFIG": os.devnull})

@@ -369,6 +369,24 @@ class Stack:
         token = self.kubectl("create", "token", serviceaccount, "-n", namespace, "--duration=2h").stdout.strip()
         return kubeconfig(path, self.server, self.pki.ca_file, {"token": token}, namespace)
 
+    def user_namespace(self, name: str, store=None) -> None:
+        """A namespace with the Secrets docs/deploy/index.md has users create first: the admin key
+        (cube-serve-admin) and the storage credentials the predictor's ServiceAccount lists
+        (cube-serve-s3, as docs/pipeline.md makes it: the keys, and KServe's S3 annotations).
+        `store` (kfp_pipelines.local_services.ObjectStore) gives real ones, else a placeholder."""
+        import secrets
+
+        self.kubectl("create", "namespace", name)
+        self.kubectl("create", "secret", "generic", "cube-serve-admin", "-n", name,
+                     f"--from-literal=CUBE3D_ADMIN_KEY={secrets.token_hex(32)}")
+        endpoint, https = (store.endpoint.removeprefix("http://"), "0") if store else ("s3.example.com", "1")
+        keys = store.env() if store else {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
+        self.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {
+            "name": "cube-serve-s3", "namespace": name,
+            "annotations": {"serving.kserve.io/s3-endpoint": endpoint, "serving.kserve.io/s3-usehttps": https,
+                            "serving.kserve.io/s3-region": keys.get("AWS_DEFAULT_REGION", "us-east-1")}},
+            "stringData": keys}])
+
     # -- start ----------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -480,6 +498,14 @@ class Stack:
         ingress = json.loads(config["data"]["ingress"])
         ingress["disableIstioVirtualHost"] = True
         config["data"]["ingress"] = json.dumps(ingress)
+        # Images tagged as the release's chart installs them (charts/kserve-resources/values.yaml:
+        # the tag is the release), not the source's `:latest`, which a kubelet always pulls.
+        for section in ("storageInitializer", "agent"):
+            if section not in config["data"]:
+                continue
+            settings = json.loads(config["data"][section])
+            settings["image"] = settings["image"].replace(":latest", f":{self.release}")
+            config["data"][section] = json.dumps(settings)
         self.apply([config])
         # controller-runtime reads the webhook server's certificate from
         # $TMPDIR/k8s-webhook-server/serving-certs.

@@ -179,6 +179,18 @@ STEPS = (2, 24, 2)
 RESOLUTION = 4
 
 
+def start_servers(tmp_path: Path, servers: list, n: int = 2) -> None:
+    """n real servers of the demo model, appended to `servers` as made (the caller stops them)."""
+    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
+
+    for i in range(n):
+        repo = copy_model_repository(tmp_path / f"models-{i}", {"dtype": "float32"})
+        ensure_demo_weights(repo)
+        servers.append(LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / f"server-{i}.log"))
+    for s in servers:
+        s.start()
+
+
 class Load:
     """Closed-loop clients over the servers (a client sticks to one, as a connection to a Service
     does), `clients` of them until changed; a refused request (busy, draining) is sent again to
@@ -253,17 +265,11 @@ def test_the_keda_query_follows_a_stepped_load_and_a_drained_replica_loses_nothi
     and the replica count KEDA's HPA computes from it (target SCALE_TARGET, 10% tolerance) goes
     1 -> 3 -> 1, as does Knative's on the same concurrency. Then one replica is removed as a scale-down removes a pod (the preStop drain the
     manifests run, then SIGTERM) while the clients keep sending: no request is lost."""
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
     from prometheus_server import PrometheusServer
 
     servers = []
     try:
-        for i in range(2):
-            repo = copy_model_repository(tmp_path / f"models-{i}", {"dtype": "float32"})
-            ensure_demo_weights(repo)
-            servers.append(LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / f"server-{i}.log"))
-        for s in servers:
-            s.start()
+        start_servers(tmp_path, servers)
         targets = [f"127.0.0.1:{s.metrics_port}" for s in servers]
         prometheus = PrometheusServer(tmp_path / "prometheus", targets)
         static = [{"targets": [t], "labels": {"namespace": "models", "pod": pod}} for t, pod in zip(targets, STABLE_PODS)]

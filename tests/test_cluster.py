@@ -79,12 +79,7 @@ def ns(stack, request):
     # Short: KServe makes host names <isvc>-<predictor>-predictor-<namespace> (one DNS label, at
     # most 63 characters) and refuses to reconcile a longer one.
     name = request.node.originalname.removeprefix("test_").replace("_", "-")[:20].rstrip("-")
-    stack.kubectl("create", "namespace", name)
-    stack.kubectl("create", "secret", "generic", "cube-serve-admin", "-n", name, "--from-literal=CUBE3D_ADMIN_KEY=test")
-    stack.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {
-        "name": "cube-serve-s3", "namespace": name,
-        "annotations": {"serving.kserve.io/s3-endpoint": "s3.example.com", "serving.kserve.io/s3-usehttps": "1"}},
-        "stringData": {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}}])
+    stack.user_namespace(name)
     yield name
     uncordon(stack)
     stack.kubectl("delete", "namespace", name, "--wait=false")

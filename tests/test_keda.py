@@ -77,16 +77,6 @@ def _hpa_value(hpa: dict) -> float | None:
     return None
 
 
-def _namespace(stack, ns: str) -> None:
-    """The namespace and the Secrets docs/deploy/index.md has users create first."""
-    stack.kubectl("create", "namespace", ns)
-    stack.kubectl("create", "secret", "generic", "cube-serve-admin", "-n", ns, "--from-literal=CUBE3D_ADMIN_KEY=test")
-    stack.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {
-        "name": "cube-serve-s3", "namespace": ns,
-        "annotations": {"serving.kserve.io/s3-endpoint": "s3.example.com", "serving.kserve.io/s3-usehttps": "1"}},
-        "stringData": {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}}])
-
-
 def _kustomization(folder: Path, overlay: str, prometheus: str) -> Path:
     """A user's kustomization over k8s/overlays/OVERLAY: their Prometheus, and the test's scale-down
     window. Set before the apply, never patched after: KEDA would look the shipped address up first."""
@@ -102,18 +92,12 @@ def _kustomization(folder: Path, overlay: str, prometheus: str) -> Path:
 
 
 def test_keda_and_the_hpa_scale_each_predictor_on_its_own_pods_load(stack, tmp_path):
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
     from prometheus_server import PrometheusServer
-    from test_autoscaling import STABLE_PODS, Load
+    from test_autoscaling import STABLE_PODS, Load, start_servers
 
     servers = []
     try:
-        for i in range(2):
-            repo = copy_model_repository(tmp_path / f"models-{i}", {"dtype": "float32"})
-            ensure_demo_weights(repo)
-            servers.append(LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / f"server-{i}.log"))
-        for s in servers:
-            s.start()
+        start_servers(tmp_path, servers)
         targets = [f"127.0.0.1:{s.metrics_port}" for s in servers]
         prometheus = PrometheusServer(tmp_path / "prometheus", targets)
         config = json.loads(prometheus.config.read_text())
@@ -127,7 +111,7 @@ def test_keda_and_the_hpa_scale_each_predictor_on_its_own_pods_load(stack, tmp_p
         with prometheus:
             t0 = time.monotonic()
             for ns, overlay in dict.fromkeys((ns, overlay) for ns, overlay, _ in SERVICES):
-                _namespace(stack, ns)
+                stack.user_namespace(ns)
                 stack.kubectl("apply", "--server-side", "-k", str(_kustomization(tmp_path / overlay, overlay,
                                                                                  prometheus.url)), "-n", ns)
             metric_names = {}

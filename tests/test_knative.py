@@ -66,12 +66,7 @@ def stack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ns(stack):
     """The namespace with the Secrets docs/deploy/index.md has users create first."""
-    stack.kubectl("create", "namespace", NS)
-    stack.kubectl("create", "secret", "generic", "cube-serve-admin", "-n", NS, "--from-literal=CUBE3D_ADMIN_KEY=test")
-    stack.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {
-        "name": "cube-serve-s3", "namespace": NS,
-        "annotations": {"serving.kserve.io/s3-endpoint": "s3.example.com", "serving.kserve.io/s3-usehttps": "1"}},
-        "stringData": {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}}])
+    stack.user_namespace(NS)
     return NS
 
 
