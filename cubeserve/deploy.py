@@ -123,8 +123,9 @@ def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     """The server's arguments in a container (after the `tritonserver` executable).
 
     REST and gRPC listen on the pod's loopback only (the supervisor's front ends are HTTP_PORT and
-    GRPC_PORT); metrics on all interfaces of the pod (Triton's default address); the ports are
-    written out, because the probes, the Service and the Prometheus annotations name them. The
+    GRPC_PORT); metrics on all interfaces of the pod, said explicitly: Triton's metrics address
+    defaults to --http-address (`tritonserver --help`), which would leave Prometheus, the
+    autoscalers' scrapes and the gateway's checks nothing to reach. The ports are written out, because the probes, the Service and the Prometheus annotations name them. The
     restricted APIs' flags are added by the supervisor, with a key of its own (never in a manifest).
     """
     return [
@@ -133,6 +134,7 @@ def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
         f"--http-port={TRITON_HTTP_PORT}",
         "--grpc-address=127.0.0.1",
         f"--grpc-port={TRITON_GRPC_PORT}",
+        "--metrics-address=0.0.0.0",
         f"--metrics-port={METRICS_PORT}",
         "--allow-http=true",
         "--allow-grpc=true",

@@ -429,7 +429,10 @@ def test_the_supervisor_refuses_a_tritonserver_reachable_from_outside():
 def test_ports_probes_and_metrics_are_the_deploy_modules(overlay):
     _, objects = overlay
     container = runtime_container(objects)
-    assert [p["containerPort"] for p in container["ports"]] == [deploy.HTTP_PORT]
+    # Knative allows one port; a raw Service exposes the gRPC front end on a second
+    raw = any(isvc["metadata"]["annotations"].get("serving.kserve.io/deploymentMode") == "RawDeployment"
+              for isvc in isvcs(objects))
+    assert [p["containerPort"] for p in container["ports"]] == [deploy.HTTP_PORT, *([deploy.GRPC_PORT] if raw else [])]
     args = container["args"]
     # clients reach the supervisor's front ends; tritonserver's REST and gRPC are on the pod's loopback
     supervisor, tritonserver = args[:args.index("--")], args[args.index("--") + 1:]
@@ -437,7 +440,8 @@ def test_ports_probes_and_metrics_are_the_deploy_modules(overlay):
     assert f"--grpc-port={deploy.GRPC_PORT}" in supervisor and "--grpc-address=0.0.0.0" in supervisor
     assert f"--http-port={deploy.TRITON_HTTP_PORT}" in tritonserver and "--http-address=127.0.0.1" in tritonserver
     assert f"--grpc-port={deploy.TRITON_GRPC_PORT}" in tritonserver and "--grpc-address=127.0.0.1" in tritonserver
-    assert f"--metrics-port={deploy.METRICS_PORT}" in tritonserver
+    # ... and metrics on every interface of the pod, where Prometheus and the autoscalers scrape them
+    assert f"--metrics-port={deploy.METRICS_PORT}" in tritonserver and "--metrics-address=0.0.0.0" in tritonserver
     runtime = find(objects, "ServingRuntime")
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/port"] == str(deploy.METRICS_PORT)
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/path"] == deploy.METRICS_PATH
@@ -640,8 +644,8 @@ def test_the_gateways_network_policy_admits_the_gateway_prometheus_and_knative_o
     policy = find(gateway_objects, "NetworkPolicy")
     objects = render("raw")
     ports = server_ports(objects)
-    [declared] = runtime_container(objects)["ports"]
-    assert declared["containerPort"] == ports["rest"]
+    declared = runtime_container(objects)["ports"]
+    assert [p["containerPort"] for p in declared] == [ports["rest"], ports["grpc"]]
     [gateway] = [o for o in gateway_objects if o["kind"] == "Gateway"]
     route = find(gateway_objects, "HTTPRoute")
     assert [p["name"] for p in route["spec"]["parentRefs"]] == [gateway["metadata"]["name"]]

@@ -378,10 +378,11 @@ def test_a_server_started_with_the_servingruntime_args_survives_both_attacks(rep
             arg = arg.replace(f"-port={port}", f"-port={mine}")
         arg = {"python3": sys.executable, "tritonserver": str(home / "bin" / "tritonserver"),
                "--rest-address=0.0.0.0": "--rest-address=127.0.0.1", "--grpc-address=0.0.0.0": "--grpc-address=127.0.0.1",
+               # a pod listens on all of its own interfaces; on this machine, the loopback only
+               "--metrics-address=0.0.0.0": "--metrics-address=127.0.0.1",
                f"--model-store={deploy.KSERVE_MODEL_DIR}": f"--model-store={repo}"}.get(arg, arg)
         args.append(arg)
-    # On this machine the metrics stay on the loopback too (a pod listens on all of its own).
-    args += ["--metrics-address=127.0.0.1", f"--backend-directory={home / 'backends'}"]
+    args += [f"--backend-directory={home / 'backends'}"]
     key = deploy.new_admin_key()
     local = LocalTriton(repo, ports[deploy.HTTP_PORT], ports[deploy.GRPC_PORT], ports[deploy.METRICS_PORT],
                         triton_http_port=ports[deploy.TRITON_HTTP_PORT], admin_key=key)

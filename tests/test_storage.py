@@ -329,7 +329,8 @@ class ServingRuntimeTriton(LocalTriton):
     def runtime_args(self) -> list[str]:
         ports = {f"--http-port={deploy.TRITON_HTTP_PORT}": f"--http-port={self.triton_http_port}",
                  f"--grpc-port={deploy.TRITON_GRPC_PORT}": f"--grpc-port={self.triton_grpc_port}",
-                 f"--metrics-port={deploy.METRICS_PORT}": f"--metrics-port={self.metrics_port}"}
+                 f"--metrics-port={deploy.METRICS_PORT}": f"--metrics-port={self.metrics_port}",
+                 "--metrics-address=0.0.0.0": "--metrics-address=127.0.0.1"}
         args = deploy.tritonserver_args(str(self.model_repository))
         assert set(ports) <= set(args), args
         return [ports.get(arg, arg) for arg in args]
@@ -337,7 +338,7 @@ class ServingRuntimeTriton(LocalTriton):
     def server_command(self) -> list[str]:
         home = tritonserver_home()
         return [str(home / "bin" / "tritonserver"), *self.runtime_args(),
-                "--metrics-address=127.0.0.1", f"--backend-directory={home / 'backends'}"]
+                f"--backend-directory={home / 'backends'}"]
 
 
 def test_a_version_in_object_storage_is_served_as_kserve_serves_it(store, s3env, tmp_path):
