@@ -15,7 +15,8 @@ own (this machine's root may not lower it). Pods' cgroups live under CGROUP_ROOT
 cgroup v1 hierarchy, removed with their processes when the node stops.
 
 Images come from podman (`podman save` -> `ctr images import`), as a cluster without a registry
-gets them; the pause image is built here from k8s.io/kubernetes' own build/pause/linux/pause.c.
+gets them; the pause image is built here from k8s.io/kubernetes' own build/pause/linux/pause.c,
+KServe's storage initializer from the release's python/storage-initializer and its kserve-storage.
 """
 
 from __future__ import annotations
@@ -81,15 +82,63 @@ def pause_image(workdir: Path) -> str:
 RUNTIME_IMAGE = "localhost/cube-serve-node-test:current"  # not `latest`: IfNotPresent, never pulled
 
 
+def storage_initializer_ref(release: str) -> str:
+    """The storage initializer image of KServe `release`, as its chart installs it
+    (charts/kserve-resources/values.yaml: kserve/storage-initializer, the tag the release's
+    version), so the pods' init container is never pulled (IfNotPresent)."""
+    return f"docker.io/kserve/storage-initializer:{release}"
+
+
+# python/storage-initializer.Dockerfile at the release, on the same Python (3.11, bookworm) with the
+# same steps that matter to a download: the release's kserve-storage in a virtual environment,
+# KServe's own entrypoint script, user kserve (1000) owning /mnt, WORKDIR /work. Left out: the
+# optional extras (confidential serving, HDFS with Kerberos) and the licence report.
+_STORAGE_INITIALIZER = """FROM {base}
+RUN python3 -m venv /prod_venv && /prod_venv/bin/pip install --no-cache-dir "kserve-storage=={version}"
+ENV VIRTUAL_ENV=/prod_venv PATH=/prod_venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+RUN useradd kserve -m -u 1000 -d /home/kserve
+COPY initializer-entrypoint /storage-initializer/scripts/initializer-entrypoint
+RUN chmod +x /storage-initializer/scripts/initializer-entrypoint && mkdir /work && chown -R kserve:kserve /mnt
+WORKDIR /work
+USER 1000
+ENTRYPOINT ["/storage-initializer/scripts/initializer-entrypoint"]
+"""
+
+
+def storage_initializer_image(workdir: Path, release: str) -> str:
+    """storage_initializer_ref(release) in podman's store, built from the release's own source:
+    the Go module the KServe manager is built from carries python/storage-initializer too."""
+    import image_build as ib
+
+    ref = storage_initializer_ref(release)
+    if ib.image_exists(ref):
+        return ref
+    comp = build.component("kserve", release)
+    source = Path(json.loads(run("go", "mod", "download", "-json", "github.com/kserve/kserve", cwd=comp.wrapper,
+                                 env=build.go_env()).stdout)["Dir"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "python" / "storage-initializer" / "scripts" / "initializer-entrypoint", workdir)
+    (workdir / "Containerfile").write_text(_STORAGE_INITIALIZER.format(base=ib.ensure_base(workdir / "base"),
+                                                                       version=release.lstrip("v")))
+    conf, mounts = ib.pip_conf_and_mounts(ib.host_pip_config())  # pip as the host's, as for the runtime image
+    (workdir / "pip.conf").write_text(conf)
+    volumes = [f"--volume={workdir / 'pip.conf'}:/etc/pip.conf:ro", *(f"--volume={p}:{p}:ro" for p in mounts)]
+    run("podman", "build", *ib.BUILD_FLAGS, *volumes, "-f", str(workdir / "Containerfile"), "-t", ref, str(workdir),
+        timeout=1800)
+    return ref
+
+
 def build_images(workdir: Path, say=print) -> None:
-    """The pause image and k8s/Dockerfile built FROM the Triton base, as RUNTIME_IMAGE (the one it
-    replaces removed). Outside the tests' network namespace (`make node-test` runs this first):
-    the image's pip install reaches the package index, which nothing inside the namespace can."""
+    """The pause image, KServe's storage initializer and k8s/Dockerfile built FROM the Triton base,
+    as RUNTIME_IMAGE (the one it replaces removed). Outside the tests' network namespace (`make
+    node-test` runs this first): the images' pip installs reach the package index, which nothing
+    inside the namespace can."""
     import image_build as ib
 
     ib.require_podman()
     t0 = time.monotonic()
     pause_image(workdir / "pause")
+    storage_initializer_image(workdir / "storage-initializer", cs.build.kserve_releases()[0])
     base = ib.ensure_triton_base(workdir / "base")
     old = ib.image_id(RUNTIME_IMAGE) if ib.image_exists(RUNTIME_IMAGE) else None
     log = workdir / "image-build.log"
@@ -98,7 +147,8 @@ def build_images(workdir: Path, say=print) -> None:
         raise SystemExit(f"podman build -f k8s/Dockerfile failed:\n{log.read_text()[-5000:]}")
     if old and old != ib.image_id(RUNTIME_IMAGE):
         ib.remove_image(old)
-    say(f"{RUNTIME_IMAGE} (k8s/Dockerfile FROM {base}) and {PAUSE_IMAGE} built in {time.monotonic() - t0:.0f} s")
+    say(f"{RUNTIME_IMAGE} (k8s/Dockerfile FROM {base}), {PAUSE_IMAGE} and KServe's storage initializer built in "
+        f"{time.monotonic() - t0:.0f} s")
 
 
 # -- the node -------------------------------------------------------------------------------------
@@ -273,6 +323,13 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
     def restart_kubelet(self) -> None:
         self._start_kubelet()
         self.stack._wait(f"node {NODE_NAME} Ready again", self._ready, 120)
+
+    def container_log(self, pod: dict, container: str) -> str:
+        """A container's log as the kubelet writes it (CRI format), read on the node: `kubectl logs`
+        would have the API server dial the kubelet by the node's name, which no DNS here resolves."""
+        meta = pod["metadata"]
+        folder = self.root / "pod-logs" / f"{meta['namespace']}_{meta['name']}_{meta['uid']}" / container
+        return "".join(path.read_text() for path in sorted(folder.glob("*.log")))
 
     def pod_processes(self, needle: bytes) -> list[int]:
         """PIDs of the node's pods' processes (in its cgroups) whose command line holds `needle`."""
