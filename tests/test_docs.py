@@ -95,7 +95,8 @@ NEEDS = {
 OTHER_PROGRAMS = {"docker", "base64", "curl", "jq", "openssl"}
 # Flags of other tools the prose names: tritonserver, kubectl, pytest-xdist, MLflow's server.
 OTHER_TOOLS_FLAGS = {"--model-control-mode", "--http-restricted-api", "--grpc-restricted-protocol",
-                     "--exit-timeout-secs", "--server-side", "--dist", "--allowed-hosts", "--help"}
+                     "--exit-timeout-secs", "--server-side", "--dist", "--allowed-hosts", "--help",
+                     "--delete-emptydir-data"}
 # cube3d_ words that are not metrics: the models, the client package, parameter prefixes.
 NOT_METRICS = {"cube3d_stream", "cube3d_client", "cube3d_", "cube3d_shadow"}
 LANGUAGES = {"bash", "json", "yaml", "python", "text"}
