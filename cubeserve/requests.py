@@ -38,6 +38,35 @@ class Unavailable(RuntimeError):
         super().__init__(f"{self.PREFIX} {message}")
 
 
+class Shed(Unavailable):
+    """Refused or dropped from the engine's queue to serve others first: a higher priority band,
+    or another tenant of the same band with less than its share of the queue, or the request
+    waited longer than the queue allows. A retry here after a while may work (HTTP 429 with
+    Retry-After, gRPC RESOURCE_EXHAUSTED), unlike `Unavailable`'s "no capacity" (503), which a
+    gateway retries elsewhere at once."""
+
+    PREFIX = "unavailable: shed:"
+
+    def __init__(self, message: str):
+        RuntimeError.__init__(self, f"{self.PREFIX} {message}")
+
+
+# Priority bands, served in this order when requests wait for a slot (cubeserve/engine/
+# admission.py); a request's band is its tenant's in the gateway's file, else DEFAULT_BAND.
+BANDS = ("interactive", "standard", "batch")
+DEFAULT_BAND = "standard"
+
+
+def band_rank(band: str | None, field: str = "band") -> int:
+    """0 for the band served first; InvalidRequest naming `field` for an unknown band."""
+    if band is None or band == "":
+        band = DEFAULT_BAND
+    try:
+        return BANDS.index(band.lower())
+    except ValueError:
+        raise InvalidRequest(field, f"must be one of {', '.join(BANDS)}, got {band!r}") from None
+
+
 @dataclass
 class GenerationRequest:
     prompt: str = ""

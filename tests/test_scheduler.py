@@ -192,3 +192,89 @@ def test_stopping_fails_waiting_requests_as_unavailable(make_engine):
             ticket.result(timeout=5)
     with pytest.raises(Unavailable, match="stopping"):
         sched.submit(Req("late"))
+
+
+# -- priority bands and tenants (engine/admission.py) -----------------------------------------
+
+
+def _admission_order(sched, tickets: dict) -> list[str]:
+    """The names of `tickets` in the order they got a slot (all must finish)."""
+    for t in tickets.values():
+        t.result(timeout=120)
+    return sorted(tickets, key=lambda name: tickets[name].admitted)
+
+
+def test_a_free_slot_goes_to_the_higher_band_first_and_to_tenants_in_turn(make_engine):
+    """One slot; everything is queued before the loop starts, lowest band first and one tenant's
+    burst before the others: slots go interactive, standard, batch, and inside a band the
+    tenants take turns (a's burst does not hold b back)."""
+    sched = Scheduler(make_engine("tiny"), max_objects=1, max_queue=16)
+    tickets = {}
+    for i in range(2):
+        tickets[f"batch-{i}"] = sched.submit(Req(f"batch {i}", resolution=4), band="batch", tenant="c")
+    for i in range(3):
+        tickets[f"a-{i}"] = sched.submit(Req(f"a {i}", resolution=4), tenant="a")
+    for i in range(2):
+        tickets[f"b-{i}"] = sched.submit(Req(f"b {i}", resolution=4), tenant="b")
+    tickets["interactive"] = sched.submit(Req("interactive", resolution=4), band="interactive", tenant="c")
+    with sched:
+        order = _admission_order(sched, tickets)
+    assert order == ["interactive", "a-0", "b-0", "a-1", "b-1", "a-2", "batch-0", "batch-1"]
+
+
+def test_a_full_queue_sheds_the_lower_band_and_the_tenant_over_its_share(make_engine):
+    from cubeserve.engine import Unavailable
+    from cubeserve.requests import Shed
+
+    sched = Scheduler(make_engine("tiny"), max_objects=1, max_queue=2)  # 3 outstanding at most
+    batch = [sched.submit(Req(f"batch {i}", resolution=4), band="batch", tenant="a") for i in range(3)]
+    # Full: an interactive newcomer takes the newest batch request's place, which gives way (429).
+    urgent = sched.submit(Req("urgent", resolution=4), band="interactive", tenant="b")
+    with pytest.raises(Shed, match=r"^unavailable: shed: .*interactive before batch"):
+        batch[2].result(timeout=5)
+    # A batch newcomer to a queue of higher bands is refused as shed, not as "no capacity".
+    with pytest.raises(Shed, match="higher band than batch"):
+        sched.submit(Req("late batch", resolution=4), band="batch", tenant="a")
+    with sched:
+        for t in (*batch[:2], urgent):
+            t.result(timeout=120)
+    assert sched.stats.snapshot()["shed"] == 2
+
+    # One band: tenant a's burst fills the queue; b's newcomer takes the place of a's newest,
+    # a's next newcomer is refused (over its share), and a queue of equals is "no capacity" (503).
+    sched = Scheduler(make_engine("tiny"), max_objects=1, max_queue=2)
+    burst = [sched.submit(Req(f"a {i}", resolution=4), tenant="a") for i in range(3)]
+    b = sched.submit(Req("b", resolution=4), tenant="b")
+    with pytest.raises(Shed, match="over its share"):
+        burst[2].result(timeout=5)
+    with pytest.raises(Shed, match="tenant a has more requests waiting"):
+        sched.submit(Req("a again", resolution=4), tenant="a")
+    c = sched.submit(Req("c", resolution=4), tenant="c")  # a 2, b 1: c takes a's newest
+    with pytest.raises(Shed):
+        burst[1].result(timeout=5)
+    with pytest.raises(Unavailable, match=r"^unavailable: the server is busy") as refused:
+        sched.submit(Req("d", resolution=4), tenant="d")  # a, b and c one each: no capacity
+    assert not isinstance(refused.value, Shed)
+    with sched:
+        for t in (burst[0], b, c):
+            t.result(timeout=120)
+
+
+def test_a_request_waiting_longer_than_max_wait_is_shed(make_engine):
+    from cubeserve.requests import Shed
+
+    sched = Scheduler(make_engine("tiny"), max_objects=1, max_wait_s=0.2)
+    stale = sched.submit(Req("stale", resolution=4))
+    time.sleep(0.3)
+    fresh = sched.submit(Req("fresh", resolution=4))
+    with sched:
+        with pytest.raises(Shed, match=r"waited .* longer than this server's queue allows \(0.2 s"):
+            stale.result(timeout=5)
+        assert fresh.result(timeout=120).tokens
+    assert sched.stats.snapshot()["shed"] == 1
+
+
+def test_an_unknown_band_is_refused_naming_the_allowed_ones(make_engine):
+    sched = Scheduler(make_engine("tiny"), max_objects=1)
+    with pytest.raises(InvalidRequest, match=r"^band: must be one of interactive, standard, batch, got 'urgent'"):
+        sched.submit(Req("x", resolution=4), band="urgent")

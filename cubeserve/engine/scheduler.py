@@ -5,9 +5,13 @@ cubes, which holds the GIL, runs in a child process (`mesh_worker`), and on CUDA
 thread's kernels go on a high-priority stream, the geometry thread's on a low-priority one.
 
     submit() -> Ticket (a Future of GenerationResult, with progress, cancel and a deadline);
-               refused at once with `Unavailable` when max_queue requests already wait
-    loop:  drop waiting requests whose client went away or whose deadline passed
-           admit waiting requests into free slots (one CLIP + prefill batch)
+               when max_queue requests already wait, one of them that counts for less (a lower
+               band, a tenant over its share) gives way with `Shed`, or the newcomer is refused
+               at once (`Shed`, or `Unavailable` when the queue is full of its equals)
+    loop:  drop waiting requests whose client went away, whose deadline passed or that waited
+           longer than max_wait_s
+           admit waiting requests into free slots (one CLIP + prefill batch), by band and in
+           turn between tenants (engine/admission.py)
            one decode step for every busy slot
            finished slots -> geometry thread -> ticket resolved
 """
@@ -25,11 +29,12 @@ from typing import Callable
 
 import torch
 
+from cubeserve.engine.admission import WaitingQueue
 from cubeserve.engine.engine import Engine, GenerationResult, Timings
 from cubeserve.engine.mesh_worker import MeshWorker
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
-from cubeserve.requests import GenerationRequest, Unavailable
+from cubeserve.requests import BANDS, GenerationRequest, Shed, Unavailable, band_rank
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,10 @@ GEOMETRY_STREAM_PRIORITY = 0
 # The slot buckets whose decode steps are captured as CUDA graphs (the runner adds max_objects);
 # the batch pipeline's decode actors capture the same (cubeserve/batch/stages.py).
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The longest a request waits for a slot before it is shed (429: retry later): a queue bounded in
+# time as well as in length, so that a low band under a steady high-band load hears "later" in
+# a minute rather than at its deadline.
+MAX_WAIT_S = 60.0
 
 
 class EngineStats:
@@ -58,7 +67,8 @@ class EngineStats:
         self.in_flight = 0
         self.max_in_flight = 0
         self.waiting = 0  # requests waiting for a slot
-        self.refused_busy = 0  # refused at submit: max_queue requests were waiting
+        self.refused_busy = 0  # refused at submit: max_queue requests of its equals were waiting
+        self.shed = 0  # gave way to a higher band or a tenant under its share, or waited too long
         self.expired = 0  # deadline passed before the result
         self.cancelled = 0  # the client went away or cancelled
 
@@ -92,7 +102,7 @@ class EngineStats:
             self.waiting = waiting
 
     def on_dropped(self, reason: str) -> None:
-        """reason: "refused_busy" | "expired" | "cancelled"."""
+        """reason: "refused_busy" | "shed" | "expired" | "cancelled"."""
         with self.lock:
             setattr(self, reason, getattr(self, reason) + 1)
 
@@ -107,6 +117,8 @@ class Ticket:
     on_progress: Callable[[int], None] | None = None
     client_gone: Callable[[], bool] | None = None  # polled between steps; True cancels
     deadline: float | None = None  # time.perf_counter() after which the result is no use
+    band: int = BANDS.index("standard")  # rank in requests.BANDS, 0 first (engine/admission.py)
+    tenant: str = ""  # whose turn it is among the band's waiting requests
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
     admitting: float | None = None  # its admission (CLIP and prefill) began
@@ -139,27 +151,40 @@ class Ticket:
         return self.future.result(timeout)
 
 
+def _refusal(why: str, ticket: Ticket) -> str:
+    """Why a newcomer to a full queue is refused with Shed (WaitingQueue.make_room's reason)."""
+    if why == "higher band":
+        return f"requests of a higher band than {BANDS[ticket.band]} hold the queue"
+    return f"tenant {ticket.tenant or '(none)'} has more requests waiting than the others of band {BANDS[ticket.band]}"
+
+
 class Scheduler:
     def __init__(self, engine: Engine, max_objects: int = 8, stats: EngineStats | None = None,
                  graphs: bool | None = None, graph_buckets: tuple[int, ...] = GRAPH_BUCKETS,
-                 max_queue: int | None = None, mesh_process: bool = True):
+                 max_queue: int | None = None, mesh_process: bool = True,
+                 max_wait_s: float | None = MAX_WAIT_S):
         """`graphs`: capture the decode step as CUDA graphs at start-up (default: on CUDA).
         `mesh_process`: scikit-image's marching cubes in a child process (`mesh_worker`).
         `max_queue`: requests that may wait beyond the `max_objects` being worked on (for a slot,
-        or for their mesh); more are refused at once with `Unavailable`. Default 8 x max_objects."""
+        or for their mesh); past it a newcomer takes a place that counts for less, or is refused at
+        once (engine/admission.py). Default 8 x max_objects. `max_wait_s`: the longest a request
+        waits for a slot before it is shed (None: until its own deadline)."""
         if max_objects < 1:
             raise ValueError(f"max_objects must be at least 1, got {max_objects}")
         if max_queue is None:
             max_queue = 8 * max_objects
         if max_queue < 0:
             raise ValueError(f"max_queue must be at least 0, got {max_queue}")
+        if max_wait_s is not None and max_wait_s <= 0:
+            raise ValueError(f"max_wait_s must be positive, got {max_wait_s}")
         self.max_queue = max_queue
+        self.max_wait_s = max_wait_s
         self.engine = engine
         if graphs is None:
             graphs = engine.device.type == "cuda"
         self.runner: DecodeRunner = engine.decode_runner(max_objects, graph_buckets=graph_buckets if graphs else None)
         self.stats = stats or EngineStats()
-        self._waiting: collections.deque[Ticket] = collections.deque()
+        self._waiting = WaitingQueue()
         self._slots: dict[int, Ticket] = {}
         self._outstanding = 0  # submitted and not yet resolved: waiting, decoding or in geometry
         self._last_sweep = 0.0
@@ -202,29 +227,43 @@ class Scheduler:
         self.stop()
 
     def submit(self, request: GenerationRequest, on_progress: Callable[[int], None] | None = None,
-               client_gone: Callable[[], bool] | None = None, timeout: float | None = None) -> Ticket:
-        """Validate (raising InvalidRequest at once) and queue a request; raises Unavailable at
-        once when the queue is full. `on_progress(tokens)` is called on the decode thread after
-        each step; `client_gone()` is polled there too. `timeout` (seconds from now): past it the
-        request is dropped, waiting or decoding, and fails with Unavailable."""
+               client_gone: Callable[[], bool] | None = None, timeout: float | None = None,
+               band: str | None = None, tenant: str = "") -> Ticket:
+        """Validate (raising InvalidRequest at once) and queue a request. When the queue is full,
+        raises Shed or Unavailable at once, or sheds a waiting request that counts for less
+        (engine/admission.py). `on_progress(tokens)` is called on the decode thread after each
+        step; `client_gone()` is polled there too. `timeout` (seconds from now): past it the
+        request is dropped, waiting or decoding, and fails with Unavailable. `band` (one of
+        requests.BANDS, default "standard") and `tenant` decide its turn for a slot."""
         self.engine.validate([request])
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        ticket = Ticket(request, on_progress, client_gone)
+        ticket = Ticket(request, on_progress, client_gone, band=band_rank(band), tenant=tenant or "")
         if timeout is not None:
             ticket.deadline = ticket.submitted + timeout
+        victim = None
         with self._cv:
             if self._stopping:
                 raise Unavailable("the engine is stopping (model unloaded or server shutting down)")
             if self._outstanding >= self.runner.max_objects + self.max_queue:
-                self.stats.on_dropped("refused_busy")
-                raise Unavailable(f"the server is busy: {self._outstanding} requests in progress or waiting "
-                                  f"(max_objects {self.runner.max_objects} + max_queue {self.max_queue}); retry later")
+                victim, why = self._waiting.make_room(ticket.band, ticket.tenant)
+                if victim is None:
+                    full = (f"{self._outstanding} requests in progress or waiting (max_objects "
+                            f"{self.runner.max_objects} + max_queue {self.max_queue})")
+                    if why == "no capacity":
+                        self.stats.on_dropped("refused_busy")
+                        raise Unavailable(f"the server is busy: {full}; retry later or elsewhere")
+                    self.stats.on_dropped("shed")
+                    raise Shed(f"the server is busy ({full}) and {_refusal(why, ticket)}; retry later")
             self._outstanding += 1
-            self._waiting.append(ticket)
+            self._waiting.push(ticket)
             self.stats.on_waiting(len(self._waiting))
             self._cv.notify()
         ticket.future.add_done_callback(self._resolved)
+        if victim is not None:  # outside the lock: its answer goes out from its done callbacks
+            self.stats.on_dropped("shed")
+            victim.fail(Shed(f"the server is busy and this request gave way in the queue: {why} "
+                             f"(band {BANDS[ticket.band]}); retry later"))
         return ticket
 
     def _resolved(self, future: Future) -> None:
@@ -257,19 +296,29 @@ class Scheduler:
             return True
         return False
 
+    def _waited_too_long(self, ticket: Ticket, now: float) -> bool:
+        """Shed a request that waited for a slot longer than max_wait_s; True if it was."""
+        if self.max_wait_s is None or now - ticket.submitted <= self.max_wait_s:
+            return False
+        self.stats.on_dropped("shed")
+        ticket.fail(Shed(f"waited {now - ticket.submitted:.3g} s for a slot, longer than this server's queue "
+                         f"allows ({self.max_wait_s:g} s; band {BANDS[ticket.band]}); retry later"))
+        return True
+
     def _sweep_waiting(self) -> None:
-        """Drop waiting requests that nobody will take (client gone, deadline passed), so that
-        they neither hold a place in the queue nor take a slot."""
+        """Drop waiting requests that nobody will take (client gone, deadline passed) or that
+        waited too long, so that they neither hold a place in the queue nor take a slot."""
         now = time.perf_counter()
         if now - self._last_sweep < SWEEP_INTERVAL_S:
             return
         self._last_sweep = now
         with self._cv:
             waiting = list(self._waiting)
-        dropped = {id(t) for t in waiting if self._drop(t)}
+        # Outside the lock: asking whether a client went away can be an IPC round trip.
+        dropped = {id(t) for t in waiting if self._drop(t) or self._waited_too_long(t, now)}
         if dropped:
             with self._cv:
-                self._waiting = collections.deque(t for t in self._waiting if id(t) not in dropped)
+                self._waiting.remove_if(lambda t: id(t) in dropped)
                 self.stats.on_waiting(len(self._waiting))
 
     def _admit(self) -> None:
@@ -281,7 +330,7 @@ class Scheduler:
             free = len(self.runner.free_slots)
             batch = []
             while self._waiting and len(batch) < free:
-                ticket = self._waiting.popleft()
+                ticket = self._waiting.pop()
                 if not self._drop(ticket):
                     batch.append(ticket)
             self.stats.on_waiting(len(self._waiting))
