@@ -334,6 +334,56 @@ def test_every_metric_the_docs_name_is_registered():
                 f"{page.relative_to(ROOT)}: {word} is no metric the server registers (docs/gen/reference.py)"
 
 
+def test_every_metric_has_a_unit_and_a_promql_example_of_its_type():
+    """The metrics reference's unit and PromQL example of every family come from
+    serving/metrics.py's UNIT_AND_EXAMPLE (reference.metrics() fails the build without them)."""
+    found = reference.metrics()
+    assert found and all(m.unit and m.example for m in found)
+    assert not [problem for m in found if (problem := reference.example_problem(m))]
+
+
+def test_a_metric_without_a_unit_or_an_example_fails_the_reference(monkeypatch):
+    from cubeserve.serving import metrics
+
+    name = metrics.REQUESTS
+    monkeypatch.delitem(metrics.UNIT_AND_EXAMPLE, name)
+    with pytest.raises(LookupError, match=name):
+        reference.metrics()
+    monkeypatch.setitem(metrics.UNIT_AND_EXAMPLE, name, ("requests", ""))
+    with pytest.raises(LookupError, match=name):
+        reference.metrics()
+    monkeypatch.setitem(metrics.UNIT_AND_EXAMPLE, name, ("requests", f"sum({name})"))  # a counter, not rated
+    with pytest.raises(ValueError, match="rate"):
+        reference.metrics()
+    monkeypatch.setitem(metrics.UNIT_AND_EXAMPLE, name, ("requests", f"rate({name}[5m])"))
+    monkeypatch.setitem(metrics.UNIT_AND_EXAMPLE, "cube3d_renamed_total", ("requests", "x"))  # no such family
+    with pytest.raises(LookupError, match="cube3d_renamed_total"):
+        reference.metrics()
+
+
+def test_the_metrics_promql_examples_parse(tmp_path):
+    """Each example is valid PromQL: promtool checks them as recording rules."""
+    from prometheus_server import require_prometheus
+
+    _, promtool = require_prometheus()
+    rules = [{"record": f"docs:example:{i}", "expr": m.example} for i, m in enumerate(reference.metrics())]
+    path = tmp_path / "examples.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "metrics-reference", "rules": rules}]}))
+    result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_metrics_page_keeps_metric_names_whole(built_site):
+    """Each name is a `code.metric-name`, which extra.css keeps on one line (no break mid-word),
+    with its PromQL example in the row under it."""
+    html = (built_site / "reference" / "metrics.html").read_text()
+    for m in reference.metrics():
+        assert f'<code class="metric-name">{m.name}</code>' in html, m.name
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    rule = re.search(r"code\.metric-name \{([^}]*)\}", css)
+    assert rule and "white-space: nowrap" in rule[1], "extra.css: code.metric-name must not wrap"
+
+
 def alerts() -> dict[str, dict]:
     """Every alert of every PrometheusRule under k8s/."""
     out = {}

@@ -55,6 +55,43 @@ TENANT_SHAPE_TOKENS = "cube3d_tenant_shape_tokens_total"
 TENANT_ENGINE_SECONDS = "cube3d_tenant_engine_seconds_total"
 SERVER_START_TIME = "cube3d_server_start_time_seconds"
 
+# Each family's unit and one PromQL query of it, for the metrics reference (docs/gen/reference.py
+# renders them; the docs build fails for a registered family missing here or an entry naming none).
+# Every family is here, also the engine's (serving/triton_engine.py registers those) and the drain's
+# gauge (serving/triton_common.py, its name drain.IN_PROGRESS_METRIC). Documentation only.
+UNIT_AND_EXAMPLE = {
+    REQUESTS: ("requests", "sum by (outcome) (rate(cube3d_requests_total[5m]))"),
+    REQUEST_DURATION: ("seconds", "histogram_quantile(0.95, sum by (le, version) "
+                                  "(rate(cube3d_request_duration_seconds_bucket[5m])))"),
+    TIME_PER_OUTPUT_TOKEN: ("seconds", "histogram_quantile(0.5, sum by (le, version) "
+                                       "(rate(cube3d_time_per_output_token_seconds_bucket[5m])))"),
+    QUEUE_TIME: ("seconds", "histogram_quantile(0.99, sum by (le) (rate(cube3d_request_queue_seconds_bucket[5m])))"),
+    MESHES: ("meshes", 'sum(rate(cube3d_meshes_total{quality!="ok"}[1h])) / sum(rate(cube3d_meshes_total[1h]))'),
+    SHADOW_REQUESTS: ("requests", "sum by (version, outcome) (rate(cube3d_shadow_requests_total[5m]))"),
+    SHADOW_DURATION: ("seconds", "histogram_quantile(0.95, sum by (le, version) "
+                                 "(rate(cube3d_shadow_request_duration_seconds_bucket[5m])))"),
+    SHADOW_AGREEMENT: ("ratio, 0 to 1", "histogram_quantile(0.5, sum by (le, measure) "
+                                        "(rate(cube3d_shadow_agreement_bucket[1h])))"),
+    TENANT_REQUESTS: ("requests", "sum by (tenant) (rate(cube3d_tenant_requests_total[5m]))"),
+    TENANT_OBJECTS: ("meshes", "sum by (tenant) (increase(cube3d_tenant_objects_total[1d]))"),
+    TENANT_SHAPE_TOKENS: ("shape tokens", "sum by (tenant, gateway_model) "
+                                          "(increase(cube3d_tenant_shape_tokens_total[1h]))"),
+    TENANT_ENGINE_SECONDS: ("seconds", "sum by (tenant) (rate(cube3d_tenant_engine_seconds_total[5m]))"),
+    SERVER_START_TIME: ("seconds, Unix time", "time() - max by (version) (cube3d_server_start_time_seconds)"),
+    "cube3d_tokens_generated_total": ("shape tokens", "sum by (version) (rate(cube3d_tokens_generated_total[5m]))"),
+    "cube3d_objects_completed_total": ("objects", "sum by (version) (rate(cube3d_objects_completed_total[5m]))"),
+    "cube3d_decode_steps_total": ("steps", "sum by (version) (rate(cube3d_decode_steps_total[5m]))"),
+    "cube3d_decode_seconds_total": ("seconds", "rate(cube3d_decode_seconds_total[5m]) "
+                                               "/ rate(cube3d_decode_steps_total[5m])"),
+    "cube3d_queue_seconds_total": ("seconds", "rate(cube3d_queue_seconds_total[5m]) "
+                                              "/ rate(cube3d_objects_completed_total[5m])"),
+    "cube3d_objects_in_flight": ("objects", "max_over_time(cube3d_objects_in_flight[5m])"),
+    "cube3d_decode_step_seconds": ("seconds", "avg_over_time(cube3d_decode_step_seconds[5m])"),
+    "cube3d_requests_waiting": ("requests", "sum by (version) (cube3d_requests_waiting)"),
+    "cube3d_requests_dropped_total": ("requests", "sum by (reason) (rate(cube3d_requests_dropped_total[5m]))"),
+    "cube3d_requests_in_progress": ("requests", "sum by (version) (cube3d_requests_in_progress)"),
+}
+
 # outcome label values
 OK = "ok"
 INVALID = "invalid"  # the caller's mistake (HTTP 400)

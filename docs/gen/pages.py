@@ -29,17 +29,58 @@ def cli_page() -> str:
     return "".join(out)
 
 
+# Where each file's families are registered, as the metrics page groups them.
+METRIC_GROUPS = {
+    "cubeserve/serving/triton_metrics.py": (
+        "Requests, objects, shadows and tenants",
+        "Recorded by the Triton models per request and per generated object (`serving/triton_metrics.py`)."),
+    "cubeserve/serving/triton_engine.py": (
+        "The engine's batch",
+        "Recorded by the engine of `cube3d_stream`, per decode step and per object (`serving/triton_engine.py`)."),
+    "cubeserve/serving/triton_common.py": (
+        "Draining",
+        "Recorded by every model instance; a drain waits for it to reach 0 (`serving/triton_common.py`)."),
+}
+
+
+def metrics_table(metrics) -> str:
+    """A table (HTML: an example takes a whole row) of one row a family, its name (a code span that
+    does not wrap: extra.css), type, unit, labels and what it means (its help), and under it a row
+    of its PromQL example; the unit and the example are serving/metrics.py's UNIT_AND_EXAMPLE."""
+    from html import escape
+
+    out = ["<table>\n<thead><tr><th>name</th><th>type</th><th>unit</th>"
+           "<th>labels beyond <code>model</code>, <code>version</code></th><th>what it means</th></tr></thead>\n"
+           "<tbody>\n"]
+    for m in metrics:
+        out.append(f'<tr class="metric"><td><code class="metric-name">{escape(m.name)}</code></td>'
+                   f"<td>{m.kind}</td><td>{escape(m.unit)}</td><td>{escape(m.labels) or 'none'}</td>"
+                   f"<td>{escape(m.help)}</td></tr>\n"
+                   f'<tr class="metric-example"><td colspan="5">PromQL: <code>{escape(m.example)}</code></td></tr>\n')
+    out.append("</tbody>\n</table>\n")
+    return "".join(out)
+
+
 def metrics_page() -> str:
+    metrics = reference.metrics()
     out = [GENERATED, "# Metrics\n\n",
            "Every metric family the server registers on its metrics port (8002), read from the code "
-           "that registers it. What to alert on and how to read them: [Operations](../operations/index.md).\n\n",
+           "that registers it; each family's unit and PromQL example are in "
+           "`cubeserve/serving/metrics.py` (`UNIT_AND_EXAMPLE`), next to the names, and the build fails "
+           "for a family without them. What to alert on and how to read them: "
+           "[Operations](../operations/index.md).\n\n",
            reference.metrics_intro().replace("\n", " ") + "\n\n",
-           "| name | type | labels beyond `model`, `version` (from the code that sets them) | help (as registered) | registered in |\n",
-           "|---|---|---|---|---|\n"]
-    for m in reference.metrics():
-        out.append(f"| `{m.name}` | {m.kind} | {m.labels} | {m.help} | `{m.source}` |\n")
-    out.append("\nA histogram `NAME` is exported as `NAME_bucket{le}`, `NAME_sum` and `NAME_count`; the "
-               "buckets are in `cubeserve/serving/metrics.py`.\n")
+           "A histogram `NAME` is exported as `NAME_bucket{le}`, `NAME_sum` and `NAME_count` (its "
+           "buckets are in `cubeserve/serving/metrics.py`): its example reads `NAME_bucket`. A counter "
+           "counts from 0 when tritonserver starts: query it through `rate()` or `increase()`.\n\n"]
+    sources = {m.source for m in metrics}
+    unknown = sources - set(METRIC_GROUPS)
+    if unknown:
+        raise LookupError(f"docs/gen/pages.py: METRIC_GROUPS has no heading for {sorted(unknown)}")
+    for source, (title, intro) in METRIC_GROUPS.items():
+        group = [m for m in metrics if m.source == source]
+        if group:
+            out.append(f"## {title}\n\n{intro}\n\n{metrics_table(group)}\n")
     return "".join(out)
 
 

@@ -56,6 +56,8 @@ class Metric:
     help: str  # the description the server registers (Prometheus' HELP line)
     labels: str  # labels beyond model and version
     source: str  # the file that registers it
+    unit: str = ""  # from serving/metrics.py's UNIT_AND_EXAMPLE
+    example: str = ""  # a PromQL query of it, from the same place
 
 
 def _families_literal(path: Path, name: str) -> ast.expr:
@@ -145,6 +147,47 @@ def metrics() -> list[Metric]:
         if "MetricFamily(" in path.read_text() and path.relative_to(ROOT).as_posix() not in read:
             raise LookupError(f"{path.relative_to(ROOT)} registers a metric family that "
                               "docs/gen/reference.py does not read: add it to metrics()")
+    return [with_unit_and_example(m, names.UNIT_AND_EXAMPLE) for m in _checked_documented(out, names.UNIT_AND_EXAMPLE)]
+
+
+def _checked_documented(found: list[Metric], documented: dict[str, tuple[str, str]]) -> list[Metric]:
+    """Every family has its unit and PromQL example in serving/metrics.py's UNIT_AND_EXAMPLE, and
+    every entry there is a family: otherwise the docs build (and tests/test_docs.py) fails."""
+    registered = {m.name for m in found}
+    missing = sorted(m.name for m in found if not all(s.strip() for s in documented.get(m.name, ("", ""))))
+    if missing:
+        raise LookupError(f"metric families without a unit and a PromQL example in "
+                          f"cubeserve/serving/metrics.py's UNIT_AND_EXAMPLE: {', '.join(missing)}")
+    stale = sorted(set(documented) - registered)
+    if stale:
+        raise LookupError(f"cubeserve/serving/metrics.py's UNIT_AND_EXAMPLE names no registered family: "
+                          f"{', '.join(stale)}")
+    return found
+
+
+def example_problem(m: Metric) -> str | None:
+    """What is wrong with a family's PromQL example for its type, or None: it queries the family
+    itself, a counter through rate() or increase(), a histogram's buckets through
+    histogram_quantile()."""
+    import re
+
+    series = {m.name + "_bucket"} if m.kind == "histogram" else {m.name}
+    if not set(re.findall(r"\bcube3d_\w+", m.example)) & series:
+        return f"{m.name}: its example does not query {' or '.join(sorted(series))}: {m.example}"
+    if m.kind == "counter" and not re.search(rf"\b(rate|increase)\({m.name}\b", m.example):
+        return f"{m.name}: a counter's example takes rate() or increase() of it: {m.example}"
+    if m.kind == "histogram" and "histogram_quantile(" not in m.example:
+        return f"{m.name}: a histogram's example takes histogram_quantile() of its buckets: {m.example}"
+    return None
+
+
+def with_unit_and_example(m: Metric, documented: dict[str, tuple[str, str]]) -> Metric:
+    from dataclasses import replace
+
+    out = replace(m, unit=documented[m.name][0], example=documented[m.name][1])
+    problem = example_problem(out)
+    if problem:
+        raise ValueError(f"cubeserve/serving/metrics.py's UNIT_AND_EXAMPLE: {problem}")
     return out
 
 
