@@ -208,6 +208,67 @@ def test_busy_is_grpc_unavailable_and_the_project_client_retries_it(server):
     assert metrics(server)["cube3d_requests_dropped_total/v1/refused_busy"] - refused_before >= 2
 
 
+def post_as(server, data: bytes, headers: dict, timeout: float = 120) -> tuple[int, dict, dict]:
+    """post(), with request headers (the gateway's), and the answer's headers too."""
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/cube3d/infer", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, json.loads(reply.read()), dict(reply.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), dict(err.headers)
+
+
+BATCH = {"x-cube3d-band": "batch", "x-cube3d-tenant": "nightly"}
+INTERACTIVE = {"x-cube3d-band": "interactive", "x-cube3d-tenant": "editor"}
+
+
+def test_a_full_queue_sheds_the_batch_band_for_an_interactive_request_with_429(server, expected_tokens):
+    """The gateway's band header reaches the engine's queue through the predict model: an
+    interactive request to a full queue takes a batch request's place, which is answered 429
+    with Retry-After (over REST; RESOURCE_EXHAUSTED over gRPC), and is served itself."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    wait_for(lambda: idle(server))
+    shed_before = metrics(server).get("cube3d_requests_dropped_total/v1/shed", 0)
+    answers = {}
+    batch = [start(lambda i: answers.__setitem__(i, post_as(server, body(f"batch {i}", seed=i), BATCH)), i)
+             for i in range(MAX_OBJECTS + MAX_QUEUE)]
+    wait_for(lambda: metrics(server).get("cube3d_requests_waiting/v1", 0) == MAX_QUEUE)
+    urgent = start(lambda: answers.__setitem__("urgent", post_as(server, body("urgent"), INTERACTIVE)))
+    wait_for(lambda: [i for i, (code, _, _) in answers.items() if code == 429], timeout=30)
+    # A batch request to a queue that an interactive one holds is refused as shed, over gRPC too.
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("cube3d", grpc_inputs("late batch"), headers=BATCH)
+    client.close()
+    assert err.value.status() == "StatusCode.RESOURCE_EXHAUSTED", err.value
+    assert "higher band than batch" in err.value.message()
+    for t in (*batch, urgent):
+        t.join(300)
+    shed = [i for i, (code, _, _) in answers.items() if code == 429]
+    assert len(shed) == 1 and shed[0] != "urgent", {i: a[:2] for i, a in answers.items()}
+    code, reply, headers = answers[shed[0]]
+    assert reply["error"].startswith("unavailable: shed: ") and "interactive before batch" in reply["error"]
+    assert headers.get("Retry-After") == "1"
+    for i, (code, reply, _) in answers.items():
+        if i not in shed:
+            assert code == 200, reply
+            prompt, seed = ("urgent", 0) if i == "urgent" else (f"batch {i}", i)
+            assert {o["name"]: o["data"] for o in reply["outputs"]}["SHAPE_TOKENS"] == expected_tokens(prompt, seed)
+    assert metrics(server)["cube3d_requests_dropped_total/v1/shed"] - shed_before == 2
+
+
+def test_a_band_that_is_not_one_is_a_400_naming_the_header_and_the_bands(server):
+    code, reply, _ = post_as(server, body("x"), {"x-cube3d-band": "urgent"})
+    assert code == 400 and reply["error"] == (
+        "x-cube3d-band: must be one of interactive, standard, batch, got 'urgent'"), reply
+    data = json.loads(body("x"))
+    data["parameters"] = {"x-cube3d-band": "interactive"}
+    code, reply = post(server, json.dumps(data).encode())
+    assert code == 400 and "set by the gateway" in reply["error"], reply
+
+
 # -- deadlines and clients that go away -----------------------------------------------------------
 
 def test_a_deadline_that_passes_while_waiting_fails_with_503_and_takes_no_slot(server):

@@ -7,8 +7,9 @@ InferenceService is reached through its ingress with the service's host name (`h
 model name and optionally the version. The mesh comes back as raw bytes (MESH_ENCODING
 "binary" with tritonclient's binary outputs) unless `mesh_encoding="base64"`.
 Connection failures and refusals that say to retry (HTTP 503 / gRPC UNAVAILABLE: the server is
-busy, or restarting) are retried with backoff; errors from the model (bad input, failed
-generation) are not.
+busy, or restarting; 429 / RESOURCE_EXHAUSTED: the engine's queue shed the request for a higher
+priority band or another tenant; each says "unavailable:" first) are retried with backoff;
+errors from the model (bad input, failed generation) are not.
 
 One client per thread: tritonclient's HTTP client is not thread-safe.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 
-from cubeserve.serving.experiment import MODEL_KEY, PIN_ARM_KEY, TENANT_KEY, USER_KEY
+from cubeserve.serving.experiment import BAND_KEY, MODEL_KEY, PIN_ARM_KEY, TENANT_KEY, USER_KEY
 
 MAX_TENSORS = 32  # inputs, and outputs, of one request
 MAX_RANK = 8
@@ -34,11 +34,13 @@ _NAME = re.compile(NAME)
 
 
 class Refused(Exception):
-    """A request a front end answers itself: `status` (HTTP) and a message naming the field."""
+    """A request a front end answers itself: `status` (HTTP) and a message naming the field;
+    `retry_after` (seconds) for a Retry-After header."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
 
 
 # -- values ----------------------------------------------------------------------------------------
@@ -143,6 +145,7 @@ REFUSED_PARAMETERS = {
     "shared_memory_byte_size": "shared memory is not accepted by this server; send the tensor in the request",
     TENANT_KEY: "the tenant is set by the gateway (its header), never by a request",
     MODEL_KEY: "the model is set by the gateway (its header), never by a request",
+    BAND_KEY: "the priority band is set by the gateway (its header), never by a request",
 }
 
 

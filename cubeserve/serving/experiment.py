@@ -48,6 +48,9 @@ TENANT_KEY = "x-cube3d-tenant"
 # The model a request was sent to, by the gateway's name for it (cube3d, cube3d-v05, ...): set by
 # the gateway too, for the per-tenant meters' `model` label.
 MODEL_KEY = "x-cube3d-model"
+# The tenant's priority band (requests.BANDS), set by the gateway from its file as TENANT_KEY is:
+# the engine gives waiting requests their slots by band (cubeserve/engine/admission.py).
+BAND_KEY = "x-cube3d-band"
 EXPERIMENT_FILE_ENV = "CUBE3D_EXPERIMENT_FILE"
 EXPERIMENT_PARAMETER = "experiment"  # the config.pbtxt parameter of the predict model
 MAX_WEIGHT = 1_000_000

@@ -45,6 +45,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from cubeserve import deploy, tracing
+from cubeserve.requests import Shed
 from cubeserve.serving import checks, stubs
 from cubeserve.serving.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
                                       OUTPUT_PARAMETERS, REQUEST_PARAMETERS, Refused)
@@ -67,11 +68,12 @@ ADMIN = re.compile(
     rf"|/v2/models(?:/{_NAME}(?:/versions/[0-9]{{1,19}})?)?/stats")
 # Request headers passed on: the experiment's and the gateway's (deploy.HTTP_HEADER_FORWARD_PATTERN
 # makes tritonserver hand them to the models), and the response encodings Triton may use.
-FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant|model)$")
+FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant|model|band)$")
 RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
 GENERATIONS = ("infer", "generate")  # the kinds of request the load report counts (serving/load_report.py)
 _HEADER_LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "١٢"
 LISTEN_BACKLOG = 128
+SHED_RETRY_AFTER_S = 1  # a request the engine's queue shed: about one object's time on a CPU
 MAX_ERROR_BODY = 64 * 1024  # an error answer read whole to look at it (Triton's: a line of JSON)
 TRACE_SERVICE = "cube3d-front"  # the front end's spans' service name (cubeserve/tracing.py)
 
@@ -103,8 +105,11 @@ class Limits:
     body_bytes: int = 64 << 20
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:
+    response = web.json_response({"error": message}, status=status)
+    if retry_after is not None:
+        response.headers["Retry-After"] = str(retry_after)
+    return response
 
 
 def _error_message(body: bytes) -> str:
@@ -380,7 +385,7 @@ class FrontEnd(LoopThread):
                 # The body is not read: drop the rest unread (no decompression) for linger_s, then
                 # close, instead of aiohttp's lingering read through the decoder.
                 request.protocol.close()
-            return self._reported(_error(exc.status, str(exc)))
+            return self._reported(_error(exc.status, str(exc), exc.retry_after))
 
     def _reported(self, response: web.StreamResponse) -> web.StreamResponse:
         """`response` with the server's load report (its head not sent yet)."""
@@ -523,15 +528,20 @@ class FrontEnd(LoopThread):
             raise self._gone(exc) from None
         async with upstream:
             answer = None
-            if upstream.status == 500 and (upstream.content_length or MAX_ERROR_BODY + 1) <= MAX_ERROR_BODY:
-                # Triton's 500 for a model whose stub died, as 503 (stubs.dead_stub_unavailable).
+            if upstream.status in (500, 503) and (upstream.content_length or MAX_ERROR_BODY + 1) <= MAX_ERROR_BODY:
                 try:
                     answer = await upstream.read()
                 except (ClientError, OSError) as exc:
                     raise self._gone(exc) from None
-                unavailable = stubs.dead_stub_unavailable(_error_message(answer))
+                message = _error_message(answer)
+                # Triton's 500 for a model whose stub died, as 503 (stubs.dead_stub_unavailable).
+                unavailable = upstream.status == 500 and stubs.dead_stub_unavailable(message)
                 if unavailable:
                     raise Refused(503, unavailable)
+                # The engine's queue shed it (engine/admission.py): retry here later, not elsewhere
+                # now; Triton has no code for it, so the message says it.
+                if upstream.status == 503 and message.startswith(Shed.PREFIX):
+                    raise Refused(429, message, retry_after=SHED_RETRY_AFTER_S)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name in RESPONSE_HEADERS:
                 if name in upstream.headers:

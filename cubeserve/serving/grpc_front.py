@@ -48,6 +48,7 @@ from google.protobuf.message import DecodeError  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 
 from cubeserve import deploy, tracing  # noqa: E402
+from cubeserve.requests import Shed  # noqa: E402
 from cubeserve.serving import checks, stubs  # noqa: E402
 from cubeserve.serving.checks import MAX_ELEMENTS, MAX_RANK, MAX_TENSORS, Refused  # noqa: E402
 from cubeserve.serving.front import TRACE_SERVICE, LoopThread  # noqa: E402
@@ -68,7 +69,8 @@ ADMIN = {SERVICE + name for name in (
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
     "TraceSetting", "LogSettings")}
-FORWARD_METADATA = ("x-cube3d-user", "x-cube3d-arm", "x-cube3d-tenant", "x-cube3d-model")  # as the REST front's headers
+FORWARD_METADATA = ("x-cube3d-user", "x-cube3d-arm", "x-cube3d-tenant", "x-cube3d-model",
+                    "x-cube3d-band")  # as the REST front's headers
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,9 @@ class GrpcFrontEnd(LoopThread):
         dead_stub = error.code() == grpc.StatusCode.INTERNAL and stubs.dead_stub_unavailable(error.details() or "")
         if dead_stub:
             return grpc.StatusCode.UNAVAILABLE, dead_stub
+        if error.code() == grpc.StatusCode.UNAVAILABLE and (error.details() or "").startswith(Shed.PREFIX):
+            # The engine's queue shed it (engine/admission.py): REST's 429, retry here later.
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
         if error.code() == grpc.StatusCode.UNAVAILABLE and not error.details().startswith("unavailable:"):
             state = ("the server is shutting down (tritonserver takes no new connections)" if self.stopping
                      else "tritonserver is not answering (starting or restarting)")

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cubeserve.requests import GenerationRequest, InvalidRequest, Unavailable
+from cubeserve.requests import GenerationRequest, InvalidRequest, Unavailable, band_rank
+from cubeserve.serving.experiment import BAND_KEY
 
 # input name -> (GenerationRequest field, numpy kind, elements)
 INPUTS = {
@@ -138,11 +139,19 @@ def error_kind(message: str) -> str:
     """"invalid" (a caller's mistake: the message starts with an input's name), "unavailable"
     (retry later or elsewhere) or "internal". Triton's BLS does not carry error codes across,
     so the predict model recognises an engine's errors by their first word."""
-    if message.split(":", 1)[0] in INPUTS:
+    if message.split(":", 1)[0] in (*INPUTS, BAND_KEY):
         return "invalid"
     if message.startswith(Unavailable.PREFIX):
         return "unavailable"
     return "internal"
+
+
+def queue_band(request_parameters: dict[str, str]) -> str | None:
+    """The request's priority band (the gateway's header), checked: InvalidRequest naming the
+    header for one that is not a band."""
+    band = request_parameters.get(BAND_KEY)
+    band_rank(band, BAND_KEY)
+    return band
 
 
 def encode_mesh(data: bytes, encoding: str) -> bytes:

@@ -22,6 +22,15 @@ def parameters(args) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
 
 
+def request_parameter(request_parameters: dict, key: str) -> str | None:
+    """A request parameter by name, case-insensitively (forwarded HTTP headers keep the case the
+    client sent; gRPC metadata and HTTP/2 proxies lowercase them)."""
+    for name, value in request_parameters.items():
+        if name.lower() == key:
+            return str(value)
+    return None
+
+
 def response(outputs: dict[str, np.ndarray]):
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
 

@@ -5,8 +5,10 @@ on its device and runs the engine's batching thread (`Scheduler`). `execute` onl
 hands requests over, then returns: responses go out through each request's response sender
 when ready, progress (with STREAM_PROGRESS) from the decode thread between steps, the mesh from
 the geometry thread. A client that goes away (`request.is_cancelled()`) leaves the batch, and
-so does a request whose deadline (the v2 `timeout` parameter) passes; past `max_queue` waiting
-requests, new ones are refused at once as UNAVAILABLE (HTTP 503), and so is every new request
+so does a request whose deadline (the v2 `timeout` parameter) passes. Waiting requests get slots
+by the gateway's priority band and in turn between its tenants (engine/admission.py); past
+`max_queue` waiting requests, one that counts for less gives way or the new one is refused at once
+as UNAVAILABLE (the front ends answer a shed request 429, "no capacity" 503), and so is every new request
 while the server drains before it stops (serving/drain.py), except the predict model's forwards
 of requests it accepted before.
 
@@ -30,15 +32,17 @@ import triton_python_backend_utils as pb_utils
 from cubeserve.config import decode_window_of
 from cubeserve.engine.engine import Engine
 from cubeserve.engine.fast_paths import check_recipe
-from cubeserve.engine.scheduler import EngineStats, Scheduler
+from cubeserve.engine.scheduler import MAX_WAIT_S, EngineStats, Scheduler
 from cubeserve.requests import InvalidRequest, Unavailable
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol
 from cubeserve.serving.cpu_share import engine_processes
+from cubeserve.serving.experiment import BAND_KEY, TENANT_KEY
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
 from cubeserve.serving.repository import version_settings
 from cubeserve.serving.stubs import end_this_process_after, release_backend_objects
-from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters, request_timeout_s, response
+from cubeserve.serving.triton_common import (Drain, Reply, error_response, parameters, request_parameter,
+                                              request_timeout_s, response)
 from cubeserve.serving.triton_metrics import Measurements, kept, locked
 
 CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
@@ -73,15 +77,16 @@ class TritonStats(EngineStats):
                 ("cube3d_objects_in_flight", "Objects in the running batch", gauge),
                 ("cube3d_decode_step_seconds", "Duration of the latest decode step", gauge),
                 ("cube3d_requests_waiting", "Requests waiting for a slot", gauge),
-                ("cube3d_requests_dropped_total", "Requests refused (busy), expired (deadline) or cancelled "
-                                                  "(client gone), by reason", counter),
+                ("cube3d_requests_dropped_total", "Requests refused (busy), shed (a higher band or a tenant "
+                                                  "under its share came first, or waited too long), expired "
+                                                  "(deadline) or cancelled (client gone), by reason", counter),
             )
         }
         self.metric = {name: kept(family.Metric(labels=labels)) for name, family in self.families.items()
                        if name != "cube3d_requests_dropped_total"}
         dropped = self.families["cube3d_requests_dropped_total"]
         self.dropped = {reason: kept(dropped.Metric(labels={**labels, "reason": reason}))
-                        for reason in ("refused_busy", "expired", "cancelled")}
+                        for reason in ("refused_busy", "shed", "expired", "cancelled")}
 
     def on_step(self, objects, seconds):
         super().on_step(objects, seconds)
@@ -141,8 +146,9 @@ class EngineModel:
     float32), quantization (none | int8 | int4 | fp8: `fast_paths.quantize`; a packaged version's
     own `repository.VERSION_SETTINGS` say it instead, with the recipe `fast_paths.check_recipe`
     holds this code to), max_objects (objects in flight, default 8),
-    max_queue (requests that may wait beyond those in flight; more are refused as busy;
-    default 8 x max_objects), single_block (reference | causal), cuda_graphs (auto | true |
+    max_queue (requests that may wait beyond those in flight; more are refused as busy or shed;
+    default 8 x max_objects), max_wait_s (the longest a request waits for a slot before it is
+    shed; default scheduler.MAX_WAIT_S), single_block (reference | causal), cuda_graphs (auto | true |
     false; auto = on CUDA).
     """
 
@@ -172,10 +178,11 @@ class EngineModel:
         self.version = args["model_version"]  # every mesh response says it (MODEL_VERSION)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         graphs = {"": None, "auto": None, "true": True, "false": False}[params.get("cuda_graphs", "").lower()]
-        max_queue = params.get("max_queue")
+        max_queue, max_wait_s = params.get("max_queue"), params.get("max_wait_s")
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
                                    stats=TritonStats(labels), graphs=graphs,
-                                   max_queue=int(max_queue) if max_queue else None).start()
+                                   max_queue=int(max_queue) if max_queue else None,
+                                   max_wait_s=float(max_wait_s) if max_wait_s else MAX_WAIT_S).start()
         self.measurements = Measurements(args["model_name"])
         self.drain = Drain(args)
         self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
@@ -183,7 +190,8 @@ class EngineModel:
         pb_utils.Logger.log_info(
             f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} "
             f"({str(engine.dtype).removeprefix('torch.')}, weights {engine.quantization}), "
-            f"{self.scheduler.runner.max_objects} objects in flight, max_queue {self.scheduler.max_queue}; "
+            f"{self.scheduler.runner.max_objects} objects in flight, max_queue {self.scheduler.max_queue}, "
+            f"max_wait_s {self.scheduler.max_wait_s:g}; "
             f"{engine.cpu_threads.describe()}")
 
     def execute(self, requests):
@@ -216,9 +224,12 @@ class EngineModel:
         if not forwarded and self.drain.draining():
             answer(self.drain.refusal(), metric_names.UNAVAILABLE)
             return
+        # The queue's band and tenant: the gateway's headers, or what the predict model forwards.
+        queue = {key: request_parameter(request_parameters, key) for key in (BAND_KEY, TENANT_KEY)}
         try:
             generation, options = protocol.parse_request(_inputs(request))
             protocol.validate(generation, self.uses_bbox)
+            band = protocol.queue_band(queue)
         except InvalidRequest as exc:
             answer(error_response(str(exc), "invalid"), metric_names.INVALID)
             return
@@ -264,7 +275,8 @@ class EngineModel:
 
         try:
             ticket = self.scheduler.submit(generation, on_progress=on_progress if options.stream_progress else None,
-                                           client_gone=client_gone, timeout=request_timeout_s(request))
+                                           client_gone=client_gone, timeout=request_timeout_s(request),
+                                           band=band, tenant=queue[TENANT_KEY] or "")
         except Unavailable as exc:  # busy, or the model is being unloaded
             answer(error_response(str(exc), "unavailable"), metric_names.UNAVAILABLE)
             return

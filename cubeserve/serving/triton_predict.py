@@ -43,6 +43,7 @@ from cubeserve.serving.experiment import Experiment
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
 from cubeserve.serving.stubs import release_backend_objects, started_at, stub_alive
 from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters
+from cubeserve.serving.triton_common import request_parameter as _parameter
 from cubeserve.serving.triton_metrics import Measurements
 
 ENGINE_TRACE_SERVICE = "cube3d-engine"  # the engine's spans' service name (cubeserve/tracing.py)
@@ -117,6 +118,7 @@ class Forward(Reply):
         self.id = f"cube3d-{uuid.uuid4().hex}"
         self.version, self.arm = version, arm
         self.started = time.monotonic()
+        self.queue = _queue_parameters(request)
         self.tokens, self.engine_seconds = 0, 0.0  # of its mesh, for the tenant's usage
         self.timings: dict = {}  # the engine's stages (engine.Timings), for the trace
         self.cancel_sent = False
@@ -131,6 +133,17 @@ class Forward(Reply):
             return not claimed
 
 
+def _queue_parameters(request) -> dict[str, str]:
+    """The gateway's band and tenant of a request, for the engine's queue (engine/admission.py):
+    the forward to the engine is a request of its own, which carries only what it is given."""
+    try:
+        given = json.loads(request.parameters() or "{}")
+    except Exception:  # noqa: BLE001 - the engine's defaults then
+        return {}
+    found = {key: _parameter(given, key) for key in (experiment.BAND_KEY, experiment.TENANT_KEY)}
+    return {key: value for key, value in found.items() if value is not None}
+
+
 class ShadowCopy:
     """A copy of a request on its way to the shadow version: it answers no one."""
 
@@ -138,6 +151,7 @@ class ShadowCopy:
         self.id = f"cube3d-shadow-{uuid.uuid4().hex}"
         self.version, self.baseline, self.arm = version, baseline, metric_names.SHADOW_ARM
         self.started = time.monotonic()
+        self.queue = {experiment.BAND_KEY: "batch"}  # a copy waits behind every served request
 
 
 class ServedAnswer:
@@ -160,15 +174,6 @@ def _trace_parent(request) -> str | None:
         return _parameter(json.loads(request.parameters() or "{}"), tracing.TRACE_KEY)
     except Exception:  # noqa: BLE001 - tracing never fails a request
         return None
-
-
-def _parameter(request_parameters: dict, key: str) -> str | None:
-    """A request parameter by name, case-insensitively (forwarded HTTP headers keep the case the
-    client sent; gRPC metadata and HTTP/2 proxies lowercase them)."""
-    for name, value in request_parameters.items():
-        if name.lower() == key:
-            return str(value)
-    return None
 
 
 class PredictModel:
@@ -343,7 +348,7 @@ class PredictModel:
             requested_output_names=ENGINE_OUTPUTS,
             timeout=timeout_us,  # the client's deadline, enforced by the engine
             # accepted here: the engine takes it even while draining; the arm labels its measurements
-            parameters={FORWARDED_PARAMETER: True, ARM_PARAMETER: forward.arm},
+            parameters={FORWARDED_PARAMETER: True, ARM_PARAMETER: forward.arm, **forward.queue},
         )
         final = None
         for response in bls.exec(decoupled=True):
@@ -371,6 +376,7 @@ class PredictModel:
         try:  # refuse bad input here, as a 400, before it costs a round trip
             generation, _ = protocol.parse_request(arrays)
             protocol.validate(generation, uses_bbox=True)  # the engine checks the model's own limits
+            protocol.queue_band(forward.queue)
         except InvalidRequest as exc:
             return metric_names.INVALID, error_response(str(exc), "invalid"), None
         outcome, answer, outputs = self._exec(forward, arrays, request.timeout(), keep_outputs)
