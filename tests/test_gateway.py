@@ -32,7 +32,7 @@ from cubeserve.config import get_config
 from cubeserve.gateway import config as gateway_config
 from cubeserve.gateway.envoy import ADMIN_PREFIXES, Gateway, envoy_binary, render, validate, write
 from cubeserve.serving import metrics as names
-from cubeserve.serving.experiment import EXPERIMENT_FILE_ENV, TENANT_KEY
+from cubeserve.serving.experiment import BAND_KEY, EXPERIMENT_FILE_ENV, TENANT_KEY
 from cubeserve.serving.experiment import parse as parse_experiment
 from cubeserve.serving.front import ADMIN
 from cubeserve.serving.local_triton import (DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights,
@@ -259,6 +259,20 @@ def test_a_forged_tenant_header_is_overwritten(start):
     # team-b's one object is still there.
     assert call(g, key=KEYS["team-b"])[0] == 200
     assert g.stats()["quota.team-b.http_local_rate_limit.rate_limited"] == 0
+
+
+def test_each_tenant_s_band_reaches_the_server_and_a_client_s_own_is_replaced(start):
+    """The servers' queues serve the band the gateway sets (engine/admission.py): the tenant's
+    from the file, "standard" when it names none, never the one a client sends."""
+    backend = start.stub("b1")
+    g = start([backend.address], [{**tenant("team-a"), "band": "batch"}, tenant("team-b")])
+    for forged in ({}, {BAND_KEY: "interactive"}, {"X-Cube3D-Band": "interactive"}):
+        assert call(g, key=KEYS["team-a"], headers=forged)[0] == 200
+    assert call(g, key=KEYS["team-b"], headers={BAND_KEY: "interactive"})[0] == 200
+    assert [r["headers"][BAND_KEY] for r in backend.requests()] == ["batch"] * 3 + ["standard"]
+    with pytest.raises(gateway_config.GatewayConfigError,
+                       match="tenant team-a: band must be one of interactive, standard, batch, got 'urgent'"):
+        gateway_config.parse({"backends": ["127.0.0.1:1"], "tenants": [{**tenant("team-a"), "band": "urgent"}]})
 
 
 def test_admin_apis_are_refused_at_the_edge(start):
@@ -689,8 +703,8 @@ def test_k8s_gateway_is_valid_for_envoy_gateway_v190(gateway_k8s):
     bundle, schemas, objects = gateway_k8s
     assert bundle["gateway-api"] == ["v1.6.1"]
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == ["Backend", "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyProxy", "Gateway", "GatewayClass",
-                     "HTTPRoute", "NetworkPolicy", "SecurityPolicy"]
+    assert kinds == ["Backend", "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy", "EnvoyProxy",
+                     "Gateway", "GatewayClass", "HTTPRoute", "NetworkPolicy", "SecurityPolicy"]
     for obj in objects:
         if obj["kind"] == "NetworkPolicy":  # a core kind (what it admits: tests/test_k8s.py)
             assert validate(obj) == []
@@ -773,6 +787,56 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
              "/v2/trace/setting", "/v2/models/cube3d/trace/setting", "/v2/models/stats", "/v2/models/cube3d/stats",
              "/v2/models/cube3d/versions/1/stats", "/v2/repository/models/cube3d/load"]
     assert not any(allowed.fullmatch(p) for p in admin)
+
+
+def test_k8s_gateway_sets_the_example_tenants_bands_with_lua_that_envoy_runs(gateway_k8s, tmp_path, start):
+    """The EnvoyExtensionPolicy's Lua maps each tenant of examples/gateway-keys.yaml to its band,
+    and run in Envoy 1.40 after a tenant header is set it replaces a client's own band header."""
+    from cubeserve.gateway.envoy import _TYPE, _hcm, _socket
+
+    _, _, objects = gateway_k8s
+    [policy] = [o for o in objects if o["kind"] == "EnvoyExtensionPolicy"]
+    assert [r["name"] for r in policy["spec"]["targetRefs"]] == ["cube-serve"]
+    [lua] = policy["spec"]["lua"]
+    script = lua["inline"]
+    examples = gateway_config.load(REPO / "examples" / "gateway.yaml")
+    assert dict(re.findall(r'\["([a-z0-9-]+)"\] = "(\w+)"', script)) == {t.id: t.band for t in examples.tenants}
+    assert {t.band for t in examples.tenants} == {"interactive", "batch"}  # the example shows both
+    # Envoy runs the script: a listener whose Lua filter is the policy's, in front of a stub.
+    backend = start.stub("b1")
+    port = free_port()
+    bootstrap = {
+        "admin": {"address": _socket("127.0.0.1", 0)},
+        "static_resources": {
+            "listeners": [{"name": "edge", "address": _socket("127.0.0.1", port), "filter_chains": [{"filters": [
+                _hcm("edge", [{"match": {"prefix": "/"}, "route": {"cluster": "stub"}}], [{
+                    "name": "envoy.filters.http.lua", "typed_config": {
+                        "@type": _TYPE + "filters.http.lua.v3.Lua",
+                        "default_source_code": {"inline_string": script}}}])]}]}],
+            "clusters": [{"name": "stub", "connect_timeout": "5s", "load_assignment": {
+                "cluster_name": "stub", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                    "address": _socket("127.0.0.1", backend.port)}}]}]}}]}}
+    config = tmp_path / "lua-envoy.json"
+    config.write_text(json.dumps(bootstrap))
+    envoy = subprocess.Popen([envoy_binary(), "-c", str(config), "--disable-hot-restart", "--concurrency", "1",
+                              "--log-level", "warn"], stdin=subprocess.DEVNULL)
+    try:
+        sent = [{TENANT_KEY: "team-a", BAND_KEY: "batch"}, {TENANT_KEY: "team-b"}, {TENANT_KEY: "someone-else"},
+                {BAND_KEY: "interactive"}]
+        for headers in sent:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{INFER}", data=b"{}", headers=headers)
+            wait_until(lambda: _answered(request), 30, "Envoy with the policy's Lua answering")
+    finally:
+        envoy.terminate()
+        envoy.wait(10)
+    assert [r["headers"][BAND_KEY] for r in backend.requests()] == ["interactive", "batch", "standard", "standard"]
+
+
+def _answered(request) -> bool:
+    try:
+        return urllib.request.urlopen(request, timeout=5).status == 200
+    except OSError:
+        return False
 
 
 def _quantity(value) -> int:

@@ -14,6 +14,8 @@ servers' REST front ends, serving/front.py).
       - id: team-a                 # [a-z0-9-], at most 63: a label value and an Envoy name
         keys: [...]                # 32 to 512 of A-Z a-z 0-9 . _ ~ -  (`cubeserve gateway --new-key`)
         quota: {shape_tokens: 51200, per: 1h, max_in_flight: 4}
+        band: interactive          # interactive | standard (default) | batch: when a server's
+                                   # queue is full, higher bands get slots first (engine/admission.py)
 
 Several models instead of `model` and `backends`/`regions` (docs/gateway/regions-models-traces.md):
 
@@ -56,6 +58,7 @@ import yaml
 from cubeserve import deploy
 from cubeserve.config import get_config
 from cubeserve.deploy import PREDICT_MODEL
+from cubeserve.requests import BANDS, DEFAULT_BAND
 
 TENANT_PATTERN = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 KEY_PATTERN = re.compile(r"[A-Za-z0-9._~-]{32,512}")
@@ -92,6 +95,7 @@ class Tenant:
     quota: Quota
     models: tuple[str, ...] | None = None  # entitled models; None: all
     model_quotas: tuple[tuple[str, ModelQuota], ...] = ()
+    band: str = DEFAULT_BAND  # requests.BANDS: the servers' queues serve higher bands first
 
     def entitled(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -208,7 +212,7 @@ def _only(doc: dict, allowed: set, where: str) -> None:
 def _tenant(doc, where: str, models: tuple[Model, ...]) -> Tenant:
     if not isinstance(doc, dict):
         raise GatewayConfigError(f"{where}: must be a mapping with id, keys and quota")
-    _only(doc, {"id", "keys", "quota", "models"}, where)
+    _only(doc, {"id", "keys", "quota", "models", "band"}, where)
     tenant_id = doc.get("id")
     if not isinstance(tenant_id, str) or not TENANT_PATTERN.fullmatch(tenant_id):
         raise GatewayConfigError(f"{where}.id: must be 1 to 63 of a-z 0-9 -, not starting or ending with -, "
@@ -228,6 +232,9 @@ def _tenant(doc, where: str, models: tuple[Model, ...]) -> Tenant:
     # Envoy's token bucket counts in uint32.
     tokens = _int(quota.get("shape_tokens"), f"{where}: quota.shape_tokens", 1, (1 << 32) - 1)
     entitled, model_quotas = _entitlements(doc.get("models"), where, models)
+    band = doc.get("band", DEFAULT_BAND)
+    if band not in BANDS:
+        raise GatewayConfigError(f"{where}: band must be one of {', '.join(BANDS)}, got {band!r}")
     for model in models:
         if entitled is not None and model.name not in entitled:
             continue
@@ -241,7 +248,7 @@ def _tenant(doc, where: str, models: tuple[Model, ...]) -> Tenant:
     return Tenant(tenant_id, tuple(keys), Quota(tokens, duration_s(quota.get("per"), f"{where}: quota.per"),
                                                _int(quota.get("max_in_flight"), f"{where}: quota.max_in_flight",
                                                     1, 4096)),
-                  entitled, model_quotas)
+                  entitled, model_quotas, band)
 
 
 def _entitlements(doc, where: str, models: tuple[Model, ...]):

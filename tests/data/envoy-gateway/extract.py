@@ -26,7 +26,8 @@ from crd_data import strip  # noqa: E402
 
 GENERATED = "charts/gateway-crds-helm/templates/generated/gateway.envoyproxy.io_{}.yaml"
 GATEWAY_API = "charts/gateway-crds-helm/templates/standard-gatewayapi-crds.yaml"
-ENVOY_GATEWAY_KINDS = ("securitypolicies", "backendtrafficpolicies", "clienttrafficpolicies", "backends", "envoyproxies")
+ENVOY_GATEWAY_KINDS = ("securitypolicies", "backendtrafficpolicies", "clienttrafficpolicies", "backends", "envoyproxies",
+                       "envoyextensionpolicies")
 GATEWAY_API_KINDS = ("gatewayclasses", "gateways", "httproutes")
 
 
