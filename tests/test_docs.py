@@ -78,6 +78,8 @@ RUN_BY = {
     ("cubeserve", "rollout", "version-set"): ("tests/test_rollout.py", '"version-set"'),
     ("cube3d-client",): ("tests/test_clients.py", "project_client"),
     ("kubectl", "apply"): ("tests/test_cluster.py", "--server-side"),
+    ("kubectl", "kustomize"): ("tests/test_k8s.py", "kustomize"),
+    ("make", "pipelines"): ("tests/test_pipeline.py", "compile_to("),  # kfp_pipelines.compile's
     ("python", "-m", "bench.capacity"): ("tests/test_bench_capacity.py", "capacity.run("),
 }
 # A docs command no test runs here, and what it needs; it is still checked (module docstring).
@@ -89,6 +91,8 @@ NEEDS = {
     ("kubectl", "create"): "a cluster (run here with --dry-run=client)",
     ("kubectl", "get"): "a cluster",
     ("kubectl", "annotate"): "a cluster",
+    ("kubectl", "wait"): "a cluster",
+    ("kubectl", "port-forward"): "a cluster",
     ("docker",): "a container registry",
     ("base64",): "a Secret from a cluster",
 }
@@ -384,6 +388,47 @@ def test_the_metrics_page_keeps_metric_names_whole(built_site):
     assert rule and "white-space: nowrap" in rule[1], "extra.css: code.metric-name must not wrap"
 
 
+@pytest.mark.parametrize("words,example", list(reference.EXAMPLES.items()), ids=lambda v: " ".join(v)[:60])
+def test_every_cli_example_parses_with_its_commands_parser(words, example):
+    """The CLI page's example of each command (docs/gen/reference.py's EXAMPLES)."""
+    parser = reference.commands()[words]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            parser.parse_args(shlex.split(example)[len(words):])
+        except SystemExit as exc:
+            assert exc.code == 0, f"{example}\n{err.getvalue()}"
+
+
+def test_a_command_without_an_example_fails_the_cli_page(monkeypatch):
+    assert reference.examples()
+    monkeypatch.delitem(reference.EXAMPLES, ("cubeserve", "rollout", "canary"))
+    with pytest.raises(LookupError, match="cubeserve rollout canary"):
+        reference.examples()
+
+
+def test_the_cli_page_shows_shared_options_once_and_every_help_80_columns_wide(built_site):
+    """The rollout commands' shared options are listed once, with the commands that take them;
+    each command's usage line still names them; every line of a help block fits 80 columns."""
+    import html as html_module
+
+    shared = reference.shared_options()
+    assert any(("cubeserve", "rollout", "canary") in g.commands and ("--namespace",) in [k[0][-1:] for k in g.keys]
+               for g in shared), "the rollout commands' --namespace should be a shared option"
+    page = html_module.unescape(re.sub(r"<[^>]+>", "", (built_site / "reference" / "cli.html").read_text()))
+    for group in shared:
+        for key in group.keys:  # an option's line in an option list (a usage line has it in brackets)
+            lines = re.findall(rf"^  {re.escape(key[0][0])}(?=[ ,]|$)", page, re.M)
+            assert len(lines) == 1, f"{key[0]}: listed {len(lines)} times on the page, not once"
+        for words in group.commands:
+            usage = reference.help_text(reference.commands()[words]).split("\n\n")[0]
+            assert usage in page, f"{' '.join(words)}: its full usage line"
+    for words, parser in reference.commands().items():  # wider only where one usage item is, unbreakable
+        wide = [line for line in reference.help_text(parser).splitlines() if len(line) > 80
+                and not re.fullmatch(r"\S+|\[[^][]+\]", line.strip())]
+        assert not wide, f"{' '.join(words)}: {wide}"
+
+
 def alerts() -> dict[str, dict]:
     """Every alert of every PrometheusRule under k8s/."""
     out = {}
@@ -423,6 +468,24 @@ def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_referen
     page = (built_site / "performance" / "benchmarks.html").read_text()
     headings = re.findall(r"^##+ ([^`\n]+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)
     assert headings and all(h.strip() in page for h in headings)
+
+
+def test_the_pipeline_page_has_every_parameter_of_the_pipeline(built_site):
+    """docs/pipeline.md's parameter table is written at build time from the pipeline function
+    (docs/gen/pipeline_params.py): the built page has a row for each of its parameters, with its
+    type, and the marker is gone; a page without the marker fails the build."""
+    import html
+
+    import pipeline_params
+
+    page = html.unescape((built_site / "pipeline.html").read_text())
+    assert pipeline_params.MARKER not in page and "pipeline parameters: generated" not in page
+    parameters = pipeline_params.parameters()
+    assert len(parameters) > 20 and {"checkpoint", "model_store", "registry_uri"} <= {p["name"] for p in parameters}
+    for p in parameters:
+        assert re.search(rf"<td><code>{p['name']}</code></td>\s*<td>{p['type']}</td>", page), p["name"]
+    with pytest.raises(ValueError, match="must hold the line"):
+        pipeline_params.render_page("# A page without the marker\n")
 
 
 def test_the_benchmarks_summary_copies_its_figures_from_the_sections_it_links():

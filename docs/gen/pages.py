@@ -19,13 +19,44 @@ ROOT = reference.ROOT
 GENERATED = "<!-- generated at build time by docs/gen/pages.py: edit the code it reads, not this page -->\n\n"
 
 
+def _anchor(words: tuple[str, ...]) -> str:
+    """The heading `## cubeserve rollout canary`'s anchor (the toc extension's slug)."""
+    from markdown.extensions.toc import slugify
+
+    return slugify(" ".join(words), "-")
+
+
 def cli_page() -> str:
+    known = reference.commands()
+    examples = reference.examples(known)
+    shared = reference.shared_options(known)
     out = [GENERATED, "# Command line\n\n",
            "Every command's `--help`, as the installed commands print it (`.venv/bin/cubeserve`, "
-           "`.venv/bin/cube3d-client`). Generated from the argparse parsers in `cubeserve/cli.py`, "
-           "`cubeserve/rollout/cli.py` and `client/cube3d_client/cli.py`.\n\n"]
-    for words, parser in reference.commands().items():
-        out.append(f"## `{' '.join(words)}`\n\n```text\n{reference.help_text(parser).rstrip()}\n```\n\n")
+           "`.venv/bin/cube3d-client`) in a terminal 80 columns wide, and an example of each. Generated "
+           "from the argparse parsers in `cubeserve/cli.py`, `cubeserve/rollout/cli.py` and "
+           "`client/cube3d_client/cli.py`; the examples are `EXAMPLES` in `docs/gen/reference.py`, "
+           "each parsed by its command's parser in the tests.\n\n"]
+    if shared:
+        out.append("## Options shared by several commands\n\n"
+                   "These options mean the same in every command that takes them, so they are listed "
+                   "once here; each command's usage line below still shows them.\n\n")
+        for i, group in enumerate(shared, 1):
+            parser = known[group.commands[0]]
+            takers = ", ".join(f"[`{' '.join(w)}`](#{_anchor(w)})" for w in group.commands)
+            text = reference.options_text(parser, reference.shared_actions(parser, group)).rstrip()
+            out.append(f"### {reference.shared_title(group, i)}\n\nTaken by {takers}:\n\n```text\n{text}\n```\n\n")
+    for words, parser in known.items():
+        groups = [(i, g) for i, g in enumerate(shared, 1) if words in g.commands]
+        hide = frozenset(a for _, g in groups for a in reference.shared_actions(parser, g))
+        out.append(f"## `{' '.join(words)}`\n\n```text\n{reference.help_text(parser, hide).rstrip()}\n```\n\n")
+        if groups:
+            out.append("Also takes the shared options: " + "; ".join(
+                f"[{reference.shared_title(g, i)}](#{_anchor((reference.shared_title(g, i),))}) ("
+                + ", ".join(f"`{k[0][-1]}`" for k in g.keys) + ")" for i, g in groups) + ".\n\n")
+        if words in examples:
+            out.append(f"Example:\n\n```bash\n{examples[words]}\n```\n\n")
+        elif not reference.needs_example(parser):
+            out.append("Its subcommands, below, do the work; each has its example.\n\n")
     return "".join(out)
 
 

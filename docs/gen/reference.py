@@ -34,17 +34,150 @@ def commands() -> dict[tuple[str, ...], argparse.ArgumentParser]:
     return {**dict(_walk(build_parser(), ("cubeserve",))), **dict(_walk(client_parser(), ("cube3d-client",)))}
 
 
-def help_text(parser: argparse.ArgumentParser) -> str:
-    """`--help` as a terminal 80 columns wide prints it (argparse reads $COLUMNS): it fits the page."""
-    old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "80"
-    try:
-        return parser.format_help()
-    finally:
-        if old is None:
+class _Columns:
+    """$COLUMNS at 80 while argparse formats: what a terminal 80 columns wide prints."""
+
+    def __enter__(self):
+        self.old = os.environ.get("COLUMNS")
+        os.environ["COLUMNS"] = "80"
+
+    def __exit__(self, *exc):
+        if self.old is None:
             del os.environ["COLUMNS"]
         else:
-            os.environ["COLUMNS"] = old
+            os.environ["COLUMNS"] = self.old
+
+
+def help_text(parser: argparse.ArgumentParser, hide: frozenset[argparse.Action] = frozenset()) -> str:
+    """`--help` as a terminal 80 columns wide prints it (argparse reads $COLUMNS): it fits the page.
+    The options in `hide` (shared ones, shown once elsewhere) are left out of the option list but
+    stay in the usage line, which is the full one."""
+    with _Columns():
+        if not hide:
+            return parser.format_help()
+        usage = parser.format_usage()
+        saved = {a: a.help for a in hide}
+        try:
+            for action in hide:
+                action.help = argparse.SUPPRESS
+            rest = parser.format_help().split("\n\n", 1)[1]  # what follows the (shorter) usage
+        finally:
+            for action, text in saved.items():
+                action.help = text
+        return f"{usage}\n{rest}"
+
+
+def options_text(parser: argparse.ArgumentParser, actions: list[argparse.Action]) -> str:
+    """Some options of a parser as its `--help` lists them, 80 columns wide."""
+    with _Columns():
+        formatter = parser._get_formatter()
+        formatter.start_section("options")
+        formatter.add_arguments(actions)
+        formatter.end_section()
+        return formatter.format_help()
+
+
+def _option_key(action: argparse.Action) -> tuple:
+    """What makes an option the same one in two commands: its flags, help, default, choices,
+    metavar and type as the parser holds them."""
+    return (tuple(action.option_strings), action.help, repr(action.default), repr(action.choices),
+            repr(action.metavar), getattr(action.type, "__name__", repr(action.type)), repr(action.nargs))
+
+
+@dataclass(frozen=True)
+class SharedOptions:
+    commands: tuple[tuple[str, ...], ...]  # the commands that take every one of them
+    keys: tuple[tuple, ...]  # _option_key of each, in the order of the first command's parser
+
+
+def shared_options(known: dict[tuple[str, ...], argparse.ArgumentParser] | None = None) -> list[SharedOptions]:
+    """Options that several commands take as the same option (same flags, help text, default,
+    choices: the rollout commands' cluster options, say), grouped by the commands that take
+    them: the CLI page shows each group once. An option without a help text is not shared:
+    the same flag may mean different things to two commands."""
+    known = commands() if known is None else known
+    takers: dict[tuple, list[tuple[str, ...]]] = {}
+    order: list[tuple] = []
+    for words, parser in known.items():
+        for action in parser._actions:
+            if action.option_strings and action.help and action.help != argparse.SUPPRESS \
+                    and not isinstance(action, argparse._HelpAction):
+                key = _option_key(action)
+                if key not in takers:
+                    order.append(key)
+                takers.setdefault(key, []).append(words)
+    groups: dict[tuple, list[tuple]] = {}
+    for key in order:
+        if len(takers[key]) > 1:
+            groups.setdefault(tuple(takers[key]), []).append(key)
+    return [SharedOptions(words, tuple(keys)) for words, keys in groups.items()]
+
+
+# A group of shared options' heading on the CLI page, by the first option's last flag; a group
+# not named here is headed "Shared options N".
+SHARED_TITLES = {
+    "--namespace": "The cluster and its objects (rollout)",
+    "--dry-run": "Changing the cluster (rollout)",
+    "--wait": "Waiting for KServe (rollout)",
+}
+
+
+def shared_title(group: SharedOptions, number: int) -> str:
+    return SHARED_TITLES.get(group.keys[0][0][-1], f"Shared options {number}")
+
+
+def shared_actions(parser: argparse.ArgumentParser, group: SharedOptions) -> list[argparse.Action]:
+    keys = set(group.keys)
+    return [a for a in parser._actions if a.option_strings and _option_key(a) in keys]
+
+
+# One real example a command, on the CLI page: each parses with its command's parser (tests/test_docs.py),
+# and the ones marked in the comment were run as written. Commands that only hold subcommands
+# (`cubeserve weights`, `cubeserve rollout`) have none: their subcommands' examples are theirs.
+EXAMPLES = {
+    ("cubeserve",): "cubeserve --verbose info --config tiny",  # run
+    ("cubeserve", "generate"): 'cubeserve generate "a red chair" --weights models/demo --out chair.glb --seed 0',  # run
+    ("cubeserve", "batch"): "cubeserve batch prompts.jsonl --weights models/demo --out outputs/catalogue "
+                            "--resolution 6 --preview",
+    ("cubeserve", "info"): "cubeserve info --config v0.1 --json",  # run
+    ("cubeserve", "weights", "init"): "cubeserve weights init --config tiny --seed 1 --out outputs/ckpt",  # run
+    ("cubeserve", "weights", "check"): "cubeserve weights check outputs/ckpt",  # run, after the init above
+    ("cubeserve", "serve"): "cubeserve serve --http-port 8000 --grpc-port 8001 --metrics-port 8002",
+    ("cubeserve", "demo"): 'cubeserve demo --prompt "a wooden chair" --out outputs/chair.glb --seed 0',
+    ("cubeserve", "gateway"): "cubeserve gateway --config examples/gateway.yaml --check",  # run
+    ("cubeserve", "usage"): "cubeserve usage --prometheus http://127.0.0.1:9090 --since 24h --csv",
+    ("cubeserve", "train"): "cubeserve train all --work-dir outputs/demo-train --out outputs/demo-model",
+    ("cubeserve", "evaluate"): "cubeserve evaluate models/demo --shapes 8 --json",
+    ("cubeserve", "rollout", "status"): "cubeserve rollout status -n models --json",
+    ("cubeserve", "rollout", "canary"): "cubeserve rollout canary --version 2 --percent 10 --dry-run",
+    ("cubeserve", "rollout", "promote"): "cubeserve rollout promote --wait 900",
+    ("cubeserve", "rollout", "rollback"): "cubeserve rollout rollback --wait 900",
+    ("cubeserve", "rollout", "ab"): "cubeserve rollout ab --set control=1:90,candidate=2:10 --name decoder-v2",
+    ("cubeserve", "rollout", "version-set"): "cubeserve rollout version-set --versions 1,2 --dry-run",
+    ("cubeserve", "rollout", "analyze"): "cubeserve rollout analyze --prometheus http://prometheus.monitoring.svc:9090 "
+                                         "--candidate 2 --baseline 1 --window 10m",
+    ("cube3d-client",): 'cube3d-client "a red chair" --url 127.0.0.1:8000 --out chair.glb --seed 0',
+}
+
+
+def needs_example(parser: argparse.ArgumentParser) -> bool:
+    """A command that does something itself: it takes an argument or an option beyond --help and
+    its subcommand."""
+    return any(not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) for a in parser._actions)
+
+
+def examples(known: dict[tuple[str, ...], argparse.ArgumentParser] | None = None) -> dict[tuple[str, ...], str]:
+    """EXAMPLES, checked: every command that needs one has one and every one is a command's; the
+    docs build fails otherwise."""
+    known = commands() if known is None else known
+    missing = [" ".join(w) for w, p in known.items() if needs_example(p) and w not in EXAMPLES]
+    unknown = [" ".join(w) for w in EXAMPLES if w not in known]
+    if missing or unknown:
+        raise LookupError(f"docs/gen/reference.py's EXAMPLES: commands without an example: {missing}; "
+                          f"examples of no command: {unknown}")
+    for words, example in EXAMPLES.items():
+        assert example.split()[:len(words)] == list(words), f"{example!r} is not an example of {' '.join(words)}"
+    return dict(EXAMPLES)
 
 
 # -- the metrics --------------------------------------------------------------------------------------
