@@ -429,6 +429,23 @@ def test_the_cli_page_shows_shared_options_once_and_every_help_80_columns_wide(b
         assert not wide, f"{' '.join(words)}: {wide}"
 
 
+def test_every_plot_has_at_most_six_series_in_colours_of_their_own():
+    """docs/gen/plots.py draws bench/results.json with at most plots.MAX_SERIES series a figure
+    (check_figure runs on each before it is written), and refuses a figure of more."""
+    import plots
+
+    written = {}
+    page = plots.draw(written.__setitem__)
+    assert len(written) >= 4 and all(f"]({name})" in page for name in written)
+    assert plots.MAX_SERIES == 6 and len(set(plots.COLOURS)) == len(set(plots.MARKERS)) == plots.MAX_SERIES
+    generated, records = plots.records()
+    template = next(r for r in records if r["section"] == "quantization" and r["ms_per_token"])
+    crowded = [{**template, "mode": f"mode {i}", "objects_in_flight": n, "device": "crowded"}
+               for i in range(plots.MAX_SERIES + 1) for n in (1, 8)]
+    with pytest.raises(ValueError, match="split it by subject"):
+        plots.draw(lambda name, data: None, (generated, records + crowded))
+
+
 def alerts() -> dict[str, dict]:
     """Every alert of every PrometheusRule under k8s/."""
     out = {}
@@ -462,8 +479,12 @@ def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_referen
         assert " ".join(words) in cli, words
     metrics = (built_site / "reference" / "metrics.html").read_text()
     assert all(m.name in metrics for m in reference.metrics())
-    for plot in ("tokens-per-second", "latency-vs-concurrency", "numerics"):
-        assert (built_site / "performance" / f"{plot}.svg").stat().st_size > 1000, plot
+    plots_page = (built_site / "performance" / "plots.html").read_text()
+    images = re.findall(r'<img [^>]*src="([^"]+\.svg)"', plots_page)
+    for plot in ("tokens-per-second-", "latency-vs-concurrency", "numerics-"):
+        assert any(i.startswith(plot) for i in images), plot
+    for image in images:
+        assert (built_site / "performance" / image).stat().st_size > 1000, image
     # BENCHMARKS.md is included whole, not copied.
     page = (built_site / "performance" / "benchmarks.html").read_text()
     headings = re.findall(r"^##+ ([^`\n]+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)

@@ -1,18 +1,16 @@
 """The pages mkdocs-gen-files adds at build time (mkdocs.yml): the reference, generated from the
-code (docs/gen/reference.py), and the performance plots, drawn from bench/results.json. Nothing
-here is committed as output, so none of it can go stale."""
+code (docs/gen/reference.py), and the performance plots, drawn from bench/results.json
+(docs/gen/plots.py). Nothing here is committed as output, so none of it can go stale."""
 
 from __future__ import annotations
 
-import io
-import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import mkdocs_gen_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plots  # noqa: E402
 import reference  # noqa: E402
 
 ROOT = reference.ROOT
@@ -143,107 +141,6 @@ def configuration_page() -> str:
     ])
 
 
-# -- plots ------------------------------------------------------------------------------------------
-
-def _records():
-    data = json.loads((ROOT / "bench/results.json").read_text())
-    return data["generated"], data["records"]
-
-
-def _svg(fig) -> bytes:
-    buf = io.BytesIO()
-    # No timestamps or ids that change between builds: the same results give the same file.
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
-    return buf.getvalue()
-
-
-def plots(write) -> str:
-    """Draw the figures with write(name, svg bytes); return the page."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    matplotlib.rcParams["svg.hashsalt"] = "cube-serve"
-    import matplotlib.pyplot as plt
-
-    generated, records = _records()
-    latest = {}  # a later record of the same measurement replaces an earlier one
-    for r in records:
-        latest[(r["section"], r["device"], r["config"], r["mode"], r["objects_in_flight"])] = r
-    records = list(latest.values())
-    page = [GENERATED, "# Plots\n\n",
-            f"Drawn at build time from `bench/results.json` (written by `make bench` and the benchmark "
-            f"modules; generated {generated.get('date', '?')}, {generated.get('hardware', '?')}). The "
-            "tables, and what each run measured on which machine, are in [Benchmarks](benchmarks.md).\n\n"]
-
-    # Decode throughput: tokens/s = objects in flight / time per step (ms_per_token is one step).
-    lines = defaultdict(list)
-    for r in records:
-        if r["ms_per_token"] and r["section"] in ("engine", "quantization"):
-            lines[(r["device"], r["config"], r["mode"])].append(
-                (r["objects_in_flight"], r["objects_in_flight"] * 1000 / r["ms_per_token"]))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for (device, config, mode), points in sorted(lines.items()):
-        if len(points) > 1:
-            xs, ys = zip(*sorted(points))
-            ax.plot(xs, ys, marker="o", label=f"{config}, {mode} ({device})")
-    ax.set(xscale="log", yscale="log", xlabel="objects in flight (batch)", ylabel="shape tokens / s",
-           title="Decode throughput vs batch")
-    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1, 1))
-    write("tokens-per-second.svg", _svg(fig))
-    plt.close(fig)
-    page.append("## Tokens per second vs batch\n\nShape tokens per second of the decode loop against "
-                "the objects decoding together (`engine` and `quantization` sections).\n\n"
-                "![tokens per second vs batch](tokens-per-second.svg)\n\n")
-
-    # Time per object through the server against in process, by concurrency.
-    lines = defaultdict(list)
-    for r in records:
-        if r["section"] == "server_overhead" and r["objects_per_second"]:
-            lines[r["mode"]].append((r["objects_in_flight"], 1 / r["objects_per_second"]))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, points in sorted(lines.items()):
-        xs, ys = zip(*sorted(points))
-        ax.plot(xs, ys, marker="o", label=mode)
-    ax.set(xlabel="requests in flight", ylabel="seconds per object (1 / throughput)",
-           title="Server overhead vs concurrency (tiny config)")
-    ax.legend(fontsize=8)
-    write("latency-vs-concurrency.svg", _svg(fig))
-    plt.close(fig)
-    page.append("## Time per object vs concurrency\n\nThe same requests in process and through Triton's "
-                "REST and gRPC endpoints (`server_overhead` section).\n\n"
-                "![time per object vs concurrency](latency-vs-concurrency.svg)\n\n")
-
-    # Numerics: each mode's teacher-forced top-1 agreement with the float32 oracle, and its KL.
-    groups = defaultdict(dict)
-    for r in records:
-        if r["section"].startswith("numerics") and r["extra"].get("agreement") is not None:
-            groups[f"{r['config']}\n{r['device']}"][r["mode"]] = r["extra"]
-    modes = sorted({m for g in groups.values() for m in g})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    width = 0.8 / max(1, len(modes))
-    for i, mode in enumerate(modes):
-        xs = [j + i * width for j, g in enumerate(groups.values()) if mode in g]
-        color = f"C{i % 10}"  # one colour per mode in both panels
-        axes[0].bar(xs, [g[mode]["agreement"] for g in groups.values() if mode in g], width, label=mode, color=color)
-        # the oracle's own mode has KL 0, which a log axis cannot show: left out there
-        kl = [(x, g[mode]["kl"]) for x, g in zip(xs, [g for g in groups.values() if mode in g]) if g[mode]["kl"]]
-        if kl:
-            axes[1].bar(*zip(*kl), width, color=color)
-    for ax in axes:
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], list(groups), fontsize=6,
-                      rotation=30, ha="right")
-    axes[0].set(ylabel="top-1 agreement (teacher forced)", ylim=(0, 1.02), title="Agreement with float32")
-    axes[1].set(ylabel="KL from float32", yscale="log", title="KL divergence")
-    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="upper center", ncol=4,
-               bbox_to_anchor=(0.5, -0.2))
-    write("numerics.svg", _svg(fig))
-    plt.close(fig)
-    page.append("## Numerics per mode\n\nEach mode against the float32 oracle on the same weights and "
-                "prompts (`numerics` sections; higher agreement and lower KL are closer).\n\n"
-                "![numerics per mode](numerics.svg)\n")
-    return "".join(page)
-
-
 def main() -> None:
     for path, text in (("reference/cli.md", cli_page()), ("reference/metrics.md", metrics_page()),
                        ("reference/configuration.md", configuration_page())):
@@ -254,7 +151,7 @@ def main() -> None:
         with mkdocs_gen_files.open(f"performance/{name}", "wb") as f:
             f.write(data)
 
-    page = plots(write)
+    page = GENERATED + plots.draw(write)
     with mkdocs_gen_files.open("performance/plots.md", "w") as f:
         f.write(page)
 
