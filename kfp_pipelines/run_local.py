@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -148,7 +149,34 @@ def summary(registry_uri: str, model_name: str = "cube3d") -> dict:
         {"version": v.version, "aliases": list(v.aliases), "source": v.source,
          "triton_version": v.tags.get("triton_version"), "sha256": v.tags.get("sha256"),
          "decision": v.tags.get("rollout.decision"), "reason": v.tags.get("rollout.reason"),
-         "analysis": json.loads(v.tags.get("rollout.analysis") or "null")} for v in versions]}
+         "analysis": whole_requests(json.loads(v.tags.get("rollout.analysis") or "null"))} for v in versions]}
+
+
+def steps(tasks: dict) -> dict:
+    """The steps that ran, by the names the pipeline gives them (validate, evaluate, ..., finish),
+    with their states: not the KFP paths (exit-handler-1/condition-branches-2/...) nor its
+    numbered copies of a step in another branch (evaluate-2, roll-out-2)."""
+    return {_step(path): t.state for path, t in tasks.items() if t.attempts}
+
+
+def _step(path: str) -> str:
+    return re.sub(r"-\d+$", "", path.rsplit("/", 1)[-1])
+
+
+def step_error(error: str) -> str:
+    """The run's error with the failed step named as in `steps` ("gate: ..."), not by its KFP path."""
+    found = re.match(r"([\w-]+(?:/[\w-]+)*): ", error)
+    return f"{_step(found[1])}: {error[found.end():]}" if found else error
+
+
+def whole_requests(analysis):
+    """The roll-out's analysis windows as printed: request counts whole (Prometheus' increase()
+    extrapolates over the window, so the registry's figures have fractions)."""
+    for window in analysis or []:
+        for side in ("candidate", "baseline"):
+            if isinstance(window.get(side), dict) and "requests" in window[side]:
+                window[side]["requests"] = round(window[side]["requests"])
+    return analysis
 
 
 def main(argv=None) -> int:
@@ -177,8 +205,8 @@ def main(argv=None) -> int:
             params[name] = value
     with LocalCluster(args.state, args.triton_url, args.prometheus_url, backend=args.backend) as cluster:
         result = cluster.run(args.checkpoint, **params)
-        report = {"run_id": result.run_id, "state": result.state, "error": result.error,
-                  "steps": {path: t.state for path, t in result.tasks.items()},
+        report = {"run_id": result.run_id, "state": result.state, "error": step_error(result.error),
+                  "steps": steps(result.tasks),
                   **summary(cluster.mlflow.uri)}
     print(json.dumps(report, indent=2))
     return 0 if result.state == "SUCCEEDED" else 1

@@ -579,3 +579,28 @@ def test_nothing_is_packaged_registered_or_rolled_out_before_the_gate_passes(com
     assert "gate" in dag["package"].get("dependentTasks", []), dag["package"].get("dependentTasks")
     for step in ("package", "register", "roll-out"):
         assert "gate" in upstream(step), (step, upstream(step))
+
+
+def test_the_local_report_names_the_steps_and_counts_whole_requests():
+    """`make pipeline`'s final report (run_local.main): the steps that ran by the pipeline's names,
+    not the KFP paths (exit-handler-1/condition-branches-2/...) nor the numbered copies of a step
+    in another branch; the failed step named so in the error; request counts whole."""
+    from kfp_pipelines.pod_runner import TaskResult
+    from kfp_pipelines.run_local import step_error, steps, whole_requests
+
+    tasks = {path: TaskResult(path, state, attempts=attempts) for path, state, attempts in [
+        ("exit-handler-1", "SUCCEEDED", 0),
+        ("exit-handler-1/validate", "SUCCEEDED", 1),
+        ("exit-handler-1/condition-branches-2/condition-6/condition-branches-3/condition-5/evaluate-2", "SUCCEEDED", 2),
+        ("exit-handler-1/condition-branches-2/condition-6/condition-branches-3/condition-4/evaluate", "SKIPPED", 0),
+        ("exit-handler-1/condition-branches-2/condition-6/gate", "FAILED", 1),
+        ("exit-handler-1/condition-branches-2/condition-7/roll-out-2", "SKIPPED", 0),
+        ("finish", "SUCCEEDED", 1)]}
+    assert steps(tasks) == {"validate": "SUCCEEDED", "evaluate": "SUCCEEDED", "gate": "FAILED", "finish": "SUCCEEDED"}
+    assert step_error("exit-handler-1/condition-branches-2/condition-6/gate: exit code 1: GateFailed: x < 0.9") \
+        == "gate: exit code 1: GateFailed: x < 0.9"
+    assert step_error("") == ""
+    windows = [{"stage": "analysis 1", "candidate": {"version": "2", "requests": 20.57143},
+                "baseline": {"version": "1", "requests": 19.4}}, {"stage": "shadow", "candidate": None}]
+    assert [w["candidate"] and w["candidate"]["requests"] for w in whole_requests(windows)] == [21, None]
+    assert windows[0]["baseline"]["requests"] == 19 and whole_requests(None) is None
