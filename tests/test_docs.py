@@ -485,10 +485,12 @@ def test_the_site_builds_with_warnings_as_errors_and_holds_the_generated_referen
         assert any(i.startswith(plot) for i in images), plot
     for image in images:
         assert (built_site / "performance" / image).stat().st_size > 1000, image
-    # BENCHMARKS.md is included whole, not copied.
-    page = (built_site / "performance" / "benchmarks.html").read_text()
+    # BENCHMARKS.md is on the site whole, as pages by subject (docs/gen/benchmarks.py), not copied.
+    import benchmarks
+
+    pages = {path: (built_site / path).with_suffix(".html").read_text() for path in benchmarks.pages()}
     headings = re.findall(r"^##+ ([^`\n]+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)
-    assert headings and all(h.strip() in page for h in headings)
+    assert headings and all(any(h.strip() in page for page in pages.values()) for h in headings)
 
 
 def test_the_pipeline_page_has_every_parameter_of_the_pipeline(built_site):
@@ -531,6 +533,34 @@ def test_the_benchmarks_summary_copies_its_figures_from_the_sections_it_links():
             assert re.search(rf"(?<![\d.]){re.escape(number)}(?![\d]|\.\d)", section), \
                 f"{figure}: {number} is not in #{anchor}"
     assert "Not measured yet: anything on a GPU" in sections["summary"]
+
+
+def test_benchmarks_pages_by_subject_hold_every_section_of_benchmarks_md_as_written():
+    """docs/gen/benchmarks.py cuts BENCHMARKS.md into its summary page and a page a subject: each
+    `##` section (its `###` ones with it) is on exactly one page, character for character but for
+    links to a heading on another page; a section no subject claims fails the build; the
+    navigation lists the subject pages as SUBJECTS does."""
+    import benchmarks
+
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    start, found = benchmarks.sections(text)
+    assert start + "".join(body for _, body in found) == text
+    pages = benchmarks.split(text)
+    assert pages[0].path == "performance/benchmarks.md" and pages[0].text.startswith(start + "## Summary\n")
+    for heading, body in found:
+        assert sum(body in page.text for page in pages) == 1, heading
+    rendered = benchmarks.render(text)
+    def unlinked(page: str) -> str:  # links to a heading, as on one page
+        return re.sub(r"\]\([a-z./]*#", "](#", page)
+
+    for page in pages:
+        assert unlinked(page.text) in unlinked(rendered[page.path]), page.path
+    with pytest.raises(LookupError, match="A new subject"):
+        benchmarks.split(text + "\n## A new subject\n\n| a |\n|---|\n| 1 |\n")
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python", "#"))
+    performance = next(entry["Performance"] for entry in site["nav"] if isinstance(entry, dict) and "Performance" in entry)
+    by_subject = next(e["Benchmarks by subject"] for e in performance if isinstance(e, dict) and "Benchmarks by subject" in e)
+    assert by_subject == [{title: f"{benchmarks.FOLDER}/{name}.md"} for name, title, _, _ in benchmarks.SUBJECTS]
 
 
 # -- the predict API page: its tables are the code's, its examples run --------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 import mkdocs_gen_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmarks  # noqa: E402
 import plots  # noqa: E402
 import reference  # noqa: E402
 
@@ -150,6 +151,11 @@ def main() -> None:
     def write(name: str, data: bytes) -> None:
         with mkdocs_gen_files.open(f"performance/{name}", "wb") as f:
             f.write(data)
+
+    # BENCHMARKS.md by subject: performance/benchmarks.md (its summary) and performance/benchmarks/*.md.
+    for path, text in benchmarks.pages().items():
+        with mkdocs_gen_files.open(path, "w") as f:
+            f.write(GENERATED.replace("edit the code it reads", "edit BENCHMARKS.md") + text)
 
     page = GENERATED + plots.draw(write)
     with mkdocs_gen_files.open("performance/plots.md", "w") as f:
