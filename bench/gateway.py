@@ -124,12 +124,25 @@ BACKGROUND = 2  # clients sending straight to the near server (not through its r
 # cores stall at every barrier once both decode (BENCHMARKS.md, "Shared CPU nodes"), which is
 # this machine's, not a region's: each region has cores of its own.
 SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+# --regions: each region's server on a CPU of its own (the gateway, the regions' fronts and the
+# clients float over both), so that a load on the near server slows the near region only.
+NEAR_CPU, FAR_CPU = 0, 1
 
 
-def _server(repo: Path, ports: tuple[int, int, int] | None = None):
+def _server(repo: Path, ports: tuple[int, int, int] | None = None, cpu: int | None = None):
+    """A real server; with `cpu`, it and every process it starts run on that CPU alone (the
+    affinity its processes inherit), as a region's server has cores of its own."""
+    import os
+
     from cubeserve.serving.local_triton import LocalTriton, free_port
 
-    return LocalTriton(repo, *(ports or (free_port(), free_port(), free_port())), env=SERVER_ENV).start()
+    mine = os.sched_getaffinity(0)
+    if cpu is not None and cpu in mine:
+        os.sched_setaffinity(0, {cpu})
+    try:
+        return LocalTriton(repo, *(ports or (free_port(), free_port(), free_port())), env=SERVER_ENV).start()
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def _table(lines: list[str]):
@@ -219,7 +232,7 @@ def run_regions(config: str = "tiny", routings: tuple[str, ...] = ("priority", "
     with tempfile.TemporaryDirectory() as tmp:
         repo = _repository(tmp, config)
         near_ports = (free_port(), free_port(), free_port())
-        near, far = _server(repo, near_ports), _server(repo)
+        near, far = _server(repo, near_ports, cpu=NEAR_CPU), _server(repo, cpu=FAR_CPU)
         fronts = [RegionFront("near", [near.http_url], NEAR_MS, max_in_flight=NEAR_IN_FLIGHT).start(),
                   RegionFront("far", [far.http_url], FAR_MS).start()]
         gateways = {}
@@ -249,7 +262,7 @@ def run_regions(config: str = "tiny", routings: tuple[str, ...] = ("priority", "
                 os.kill(near.process.pid, signal.SIGKILL)  # its tritonserver ends with it (lifetime.py)
                 rows[routing, killed] += _phase(url, 3, seconds=PHASE_S / 2)
                 near.stop()
-                near = _server(repo, near_ports)
+                near = _server(repo, near_ports, cpu=NEAR_CPU)
                 _phase(near.http_url, 1, requests=5)
                 started = time.monotonic()
                 while _phase(url, 1, requests=1)[0][1] != "near":
@@ -270,7 +283,8 @@ def run_regions(config: str = "tiny", routings: tuple[str, ...] = ("priority", "
             f"(Envoy 1.40.0, 1 tenant) to two regions on the loopback: near = a RegionFront adding {NEAR_MS} ms "
             f"(Envoy's fault filter) and answering 503 past {NEAR_IN_FLIGHT} requests in flight; far = {FAR_MS} ms; "
             "a real server (supervisor, front ends, tritonserver, engine on one thread: SERVER_ENV) behind each, "
-            "all on the same 2 cores. priority: near at priority 0, far at 1; load-aware: both regions weighed by "
+            f"the near one's processes on CPU {NEAR_CPU} alone, the far one's on CPU {FAR_CPU} (their affinity), the "
+            "gateway and the clients on both. priority: near at priority 0, far at 1; load-aware: both regions weighed by "
             "the servers' load reports (routing: load-aware). A gateway per routing; each phase in two halves per routing, in the "
             f"order {' '.join(order)}, of {PHASE_S / 2:g} s each (20 requests for the one-client phases); "
             f"(a): {BACKGROUND} more clients send to the near server directly (not counted), its region not full; "
