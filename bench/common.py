@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from cubeserve.hardware import hardware  # noqa: F401  (the benchmarks import it from here)
 
 RESULTS_JSON = Path(__file__).parent / "results.json"
 
@@ -27,26 +27,6 @@ class Record:
     objects_per_second: float | None = None
     gb_per_second: float | None = None
     extra: dict = field(default_factory=dict)
-
-
-def hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-            if cpu and flags:
-                break
-    except OSError:
-        pass
-    # The widest vector ISA: CPU figures differ between AVX2-only and AMX machines.
-    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
-                if flag in flags), "no AVX2")
-    return f"{cpu}, {isa}, {os.cpu_count()} cores (CPU)"
 
 
 def sync(device: torch.device) -> None:

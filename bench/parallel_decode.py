@@ -27,9 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import datetime
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -49,27 +47,13 @@ def engine_of(config: str, tmp: str, threads: int):
     return Engine.from_dir(weights, device="cpu", dtype="float32", cpu_threads=threads)
 
 
-def decode(runner, requests) -> tuple[torch.Tensor, int, float, float]:
-    """`requests` admitted together into `runner` and decoded: their tokens [B, N], the forwards
-    taken, the seconds from admission to the last token and those of the forwards alone."""
-    forwards = runner.forwards
-    t0 = time.perf_counter()
-    slots = runner.admit(requests)
-    t1 = time.perf_counter()
-    while any(runner.generated[s] < runner.num_tokens for s in slots):
-        runner.step()
-    t2 = time.perf_counter()
-    tokens = torch.stack([runner.tokens_of(s) for s in slots])
-    for s in slots:
-        runner.release(s)
-    return tokens, runner.forwards - forwards, t2 - t0, t2 - t1
-
-
 def run(config: str, prompts: list[str], windows: tuple[int, ...], threads: int = 1,
         flights: tuple[int, ...] = FLIGHTS) -> tuple[list[Record], list[str]]:
-    """Every window at every number of objects in flight (prompts decoded in groups of that
-    many, admitted together, which finish at the forward of their slowest)."""
+    """Every window at every number of objects in flight (`cubeserve.engine.window_check.measure`:
+    prompts decoded in groups of that many, admitted together, which finish at the forward of
+    their slowest), compared with sequential decoding."""
     from cubeserve.engine import GenerationRequest
+    from cubeserve.engine.window_check import measure
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = engine_of(config, tmp, threads)
@@ -79,38 +63,18 @@ def run(config: str, prompts: list[str], windows: tuple[int, ...], threads: int 
     sequential = torch.cat([engine.generate_tokens([r]) for r in requests])
     records, rows = [], []
     for flight in flights:
-        runners = {w: engine.decode_runner(max_objects=flight, window=w) for w in windows}
-        groups = [list(range(i, min(i + flight, len(requests)))) for i in range(0, len(requests), flight)]
-        for w in windows:  # warm-up
-            decode(runners[w], requests[:flight])
-        forwards = {w: [] for w in windows}  # per group
-        seconds = {w: [] for w in windows}  # per group
-        forward_s = {w: [] for w in windows}  # per forward of a group
-        identical = {w: 0 for w in windows}
-        for group in groups:
-            for w in windows:  # in turn: a change of the machine's load falls on every window alike
-                tokens, f, s, stepping = decode(runners[w], [requests[i] for i in group])
-                forwards[w].append(f)
-                seconds[w].append(s)
-                forward_s[w].append(stepping / f)
-                identical[w] += sum(torch.equal(t, sequential[i]) for t, i in zip(tokens, group))
-        base = sum(seconds[windows[0]]) / len(requests)
-        for w in windows:
-            # Tokens an object gets per forward it takes part in (a group's forwards count for each of its objects).
-            per_forward = n * len(requests) / sum(f * len(g) for f, g in zip(forwards[w], groups))
-            wall = sum(seconds[w]) / len(requests)  # the mean: objects differ widely in forwards
-            forward = statistics.median(forward_s[w])
-            share = identical[w] / len(requests)
-            per_group = statistics.mean(forwards[w])
-            records.append(Record("parallel_decode", hardware(torch.device("cpu")), config, f"window {w}", flight,
-                                  ms_per_token=wall / n * 1e3, objects_per_second=1 / wall,
-                                  extra={"tokens_per_forward": per_forward, "forwards_per_group": per_group,
-                                         "identical_share": share, "wall_s_per_object": wall, "threads": threads,
-                                         "wall_vs_window_1": wall / base, "objects": len(requests), "tokens": n,
-                                         "forward_s_median": forward}))
-            rows.append(f"| {config} | {flight} | {w} | {per_forward:.2f} | {per_group:.1f} "
-                        f"({min(forwards[w])}-{max(forwards[w])}) | {identical[w]}/{len(requests)} | "
-                        f"{forward * 1e3:.2f} | {wall * 1e3:.1f} | {base / wall:.2f}x |")
+        for f in measure(engine, requests, windows, flight, reference=sequential):
+            wall = f.wall_s_per_object
+            records.append(Record("parallel_decode", hardware(torch.device("cpu")), config, f"window {f.window}",
+                                  flight, ms_per_token=wall / n * 1e3, objects_per_second=1 / wall,
+                                  extra={"tokens_per_forward": f.tokens_per_forward,
+                                         "forwards_per_group": f.forwards_per_group,
+                                         "identical_share": f.identical_share, "wall_s_per_object": wall,
+                                         "threads": threads, "wall_vs_window_1": f.wall_vs_window_1,
+                                         "objects": f.objects, "tokens": n, "forward_s_median": f.forward_s_median}))
+            rows.append(f"| {config} | {flight} | {f.window} | {f.tokens_per_forward:.2f} | {f.forwards_per_group:.1f} "
+                        f"({min(f.forwards)}-{max(f.forwards)}) | {f.identical}/{f.objects} | "
+                        f"{f.forward_s_median * 1e3:.2f} | {wall * 1e3:.1f} | {f.speedup:.2f}x |")
             print(rows[-1], flush=True)
     return records, rows
 
@@ -124,11 +88,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 prompts per config (a smoke run)")
     parser.add_argument("--no-markdown", action="store_true", help="do not write BENCHMARKS.md or results.json")
     args = parser.parse_args()
-    from cubeserve.demo.shapes import sample_shapes
+    from cubeserve.engine.window_check import default_prompts, windows_of
 
     count = 8 if args.quick else args.prompts
-    prompts = [s.prompt for s in sample_shapes(count, seed=1)]
-    windows = tuple(sorted({1, *(int(w) for w in args.windows.split(","))}))
+    prompts = default_prompts(count)
+    windows = windows_of(int(w) for w in args.windows.split(","))
     cpu = hardware(torch.device("cpu"))
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     load = os.getloadavg()[0]  # before anything of this run starts: other users' work
