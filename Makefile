@@ -1,22 +1,33 @@
-# cube-serve. `make demo` and `make test` work on a fresh machine: they create .venv and
-# install what they need (`torch==2.13.0` from PyPI, on Linux x86-64 the CUDA build, which also runs
-# without a GPU; then the `test` extra: about 7.3 GB in .venv, README.md).
+# cube-serve. `make demo` and `make test` work on a fresh machine: they create .venv and install
+# what they need, in two steps. `make demo` and `make serve`: `torch==2.13.0` from PyPI (on Linux
+# x86-64 the CUDA build, which also runs without a GPU) and the `serve` extra, the Triton server
+# wheel and its client: about 5.4 GB in .venv. `make test` and every other target add the `test`
+# extra: about 7.3 GB in all (README.md).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= a round table
 CHECKPOINT ?=
 
-.PHONY: install test test-quick serve gateway demo demo-model bench bench-batch load k8s image image-test pipeline pipelines clean docs
+.PHONY: install install-demo test test-quick serve gateway demo demo-model bench bench-batch load k8s image image-test pipeline pipelines clean docs
 
-$(VENV)/.installed: pyproject.toml
+# Two steps, each with its stamp: what the server and the demo need (install-demo), then what the
+# tests and the other targets need (install). A .venv from `make demo` gets only the rest at its
+# first `make test`. A plain `make` installs both.
+.DEFAULT_GOAL := install
+$(VENV)/.installed-serve: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"  # includes the Triton server wheel and its client
+	$(PY) -m pip install -q -e ".[serve]"  # the Triton server wheel and its client
 	touch $@
 
-install: $(VENV)/.installed
+$(VENV)/.installed-test: $(VENV)/.installed-serve
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+install-demo: $(VENV)/.installed-serve
+install: $(VENV)/.installed-test
 
 # Two workers (pytest-xdist), a test file each at a time: much of the suite waits on servers,
 # builds and downloads. The cluster tests are `make cluster-test`.
@@ -34,7 +45,7 @@ test-quick: install
 PORT ?=
 GRPC_PORT ?=
 METRICS_PORT ?=
-serve: install
+serve: install-demo
 	$(VENV)/bin/cubeserve serve $(if $(PORT),--http-port $(PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
 
 # Envoy on 127.0.0.1:8080 in front of `make serve`'s server: API keys, quotas in shape tokens,
@@ -46,7 +57,7 @@ gateway: install
 
 # Starts the server, generates through the client, writes outputs/demo.glb and outputs/demo.png,
 # prints the timings and stops the server.
-demo: install
+demo: install-demo
 	$(VENV)/bin/cubeserve demo --prompt "$(PROMPT)" --out outputs/demo.glb
 
 # Retrain the shipped demo model (models/demo) from scratch on procedural shapes: ~19 minutes on
