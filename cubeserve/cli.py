@@ -64,6 +64,96 @@ def cmd_generate(args) -> int:
     return 0 if not result.mesh.empty else 3
 
 
+# The request fields `cubeserve window-check` sets, by the option that sets them.
+_WINDOW_CHECK_OPTIONS = {"prompt": "--prompts-file", "seed": "--seed", "guidance_scale": "--guidance",
+                         "top_p": "--top-p"}
+
+
+def _windows(text: str) -> list[int]:
+    from cubeserve.config import DECODE_WINDOWS
+
+    windows = []
+    for part in text.split(","):
+        try:
+            w = int(part.strip())
+        except ValueError:
+            w = None
+        if w not in DECODE_WINDOWS:
+            raise ValueError(f"--windows: each window must be an integer in {DECODE_WINDOWS.start}.."
+                             f"{DECODE_WINDOWS.stop - 1} (1: one token per forward), comma-separated, got {part!r}")
+        windows.append(w)
+    return windows
+
+
+def cmd_window_check(args) -> int:
+    """Window decoding measured on a weights directory, windows side by side (engine/window_check.py),
+    and the decode_window worth setting in its version.json."""
+    import torch
+
+    from cubeserve.engine import Engine, GenerationRequest
+    from cubeserve.engine import window_check as wc
+    from cubeserve.hardware import cpu_isa, hardware
+    from cubeserve.requests import InvalidRequest
+
+    windows = wc.windows_of(_windows(args.windows))
+    for option, value in (("--prompts", args.prompts), ("--in-flight", args.in_flight),
+                          ("--cpu-threads", args.cpu_threads)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option}: must be an integer of at least 1, got {value}")
+    if not Path(args.weights).is_dir():
+        raise ValueError(f"--weights {args.weights}: no such directory (a weights directory: safetensors, "
+                         "config YAML, clip/)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is visible to PyTorch here; use --device cpu")
+    if args.prompts_file:
+        prompts = wc.read_prompts(args.prompts_file)[:args.prompts]
+    else:
+        prompts = wc.default_prompts(args.prompts or wc.DEFAULT_PROMPTS)
+    requests = [GenerationRequest(p, seed=args.seed + i, guidance_scale=args.guidance, top_p=args.top_p)
+                for i, p in enumerate(prompts)]
+    for i, r in enumerate(requests):
+        try:
+            r.validate(uses_bbox=False)
+        except InvalidRequest as exc:
+            where = f" (line {i + 1} with a prompt)" if exc.field == "prompt" else ""
+            raise ValueError(f"{_WINDOW_CHECK_OPTIONS.get(exc.field, exc.field)}{where}: "
+                             f"{str(exc).removeprefix(exc.field + ': ')}") from None
+    engine = Engine.from_dir(args.weights, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                             cpu_threads=args.cpu_threads)
+    dtype = str(engine.dtype).removeprefix("torch.")
+    if engine.device.type == "cuda":
+        machine = f"{hardware(engine.device)} (CUDA)"
+    else:
+        machine = (f"{hardware(engine.device)}; ISA: {' '.join(cpu_isa()) or 'no AVX2'}; "
+                   f"PyTorch threads: {engine.cpu_threads.threads}")
+    sampling = "greedy" if args.top_p is None else f"top-p {args.top_p:g}, seeds {args.seed}..{args.seed + len(prompts) - 1}"
+    print(f"weights: {args.weights} (config {engine.cfg.name}, {engine.cfg.num_tokens} tokens an object)")
+    print(f"device: {engine.device}, {dtype}"
+          f"{'' if engine.quantization == 'none' else f', weights {engine.quantization}'}; {machine}")
+    print(f"decoding: {sampling}, guidance {args.guidance:g}, {len(prompts)} prompts, {args.in_flight} in flight, "
+          f"windows {','.join(map(str, windows))}", flush=True)
+
+    def progress(done: int, groups: int) -> None:
+        if sys.stderr.isatty():
+            print(f"\rgroup {done}/{groups}", end="\n" if done == groups else "", file=sys.stderr, flush=True)
+
+    figures = wc.measure(engine, requests, windows, args.in_flight, progress=progress)
+    recommendation = wc.recommend(figures)
+    print("\n".join(wc.table(figures)))
+    print(recommendation.line)
+    if args.json:
+        report = {"weights": str(args.weights), "config": engine.cfg.name, "tokens": engine.cfg.num_tokens,
+                  "device": str(engine.device), "dtype": dtype, "quantization": engine.quantization,
+                  "hardware": hardware(engine.device), "cpu_isa": cpu_isa(),
+                  "cpu_threads": engine.cpu_threads.threads, "torch": torch.__version__,
+                  "sampling": {"top_p": args.top_p, "seed": args.seed, "guidance": args.guidance},
+                  "prompts": len(prompts), "in_flight": args.in_flight, "margin": wc.MARGIN,
+                  "windows": [f.as_dict() for f in figures],
+                  "recommendation": {"decode_window": recommendation.window, "line": recommendation.line}}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
 def cmd_batch(args) -> int:
     """A prompts file through the Ray Data pipeline (cubeserve/batch/); exit 3 when a row failed."""
     from cubeserve.batch import rows
@@ -351,6 +441,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-tokens", help="write the shape token ids as a JSON list")
     g.add_argument("--preview", help="write a PNG preview of the mesh")
     g.set_defaults(func=cmd_generate)
+
+    wk = sub.add_parser("window-check", help="measure window decoding on a weights directory: tokens per "
+                                             "forward and decode time per window, and the decode_window to set")
+    wk.add_argument("--weights", required=True,
+                    help="the weights directory to measure, as generate takes (safetensors, YAML config, clip/)")
+    wk.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    wk.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="compute dtype (default: as generate: bfloat16 on CUDA and on CPUs with native "
+                         "bf16, float32 elsewhere)")
+    wk.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                    help="the GPT's weights as the version serves them (as generate)")
+    wk.add_argument("--windows", default="1,4,8,16",
+                    help="decode windows to try, comma-separated, each 1..64; window 1 is always measured")
+    wk.add_argument("--prompts", type=int, default=None,
+                    help="objects to decode (default 32 of the demo data's prompts; with --prompts-file: "
+                         "its first N lines, default all)")
+    wk.add_argument("--prompts-file", help="a text file of prompts, one a line")
+    wk.add_argument("--in-flight", type=int, default=1,
+                    help="objects decoding together, as your server's load (default 1)")
+    wk.add_argument("--top-p", type=float, default=None,
+                    help="sample from the top-p set, (0, 1], instead of greedy decoding")
+    wk.add_argument("--seed", type=int, default=0, help="the first prompt's seed, the next +1 (default 0)")
+    wk.add_argument("--guidance", type=float, default=3.0,
+                    help="classifier-free guidance scale (>= 0), as your requests use (default 3)")
+    wk.add_argument("--cpu-threads", type=int, default=None,
+                    help="PyTorch CPU threads (default: as the server decides)")
+    wk.add_argument("--json", help="also write the figures to this JSON file")
+    wk.set_defaults(func=cmd_window_check)
 
     b = sub.add_parser("batch", help="a prompts file (JSONL or Parquet) -> meshes and a results table, on Ray")
     b.add_argument("prompts", help="JSONL or Parquet, local or s3://: one object per row (prompt, optional id, "

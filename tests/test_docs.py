@@ -63,6 +63,7 @@ RUN_BY = {
     ("make", "autoscaling-test"): (".ci/run", "make autoscaling-test"),
     ("cubeserve", "weights"): ("tests/test_cli.py", "test_weights_init_and_check"),
     ("cubeserve", "generate"): ("tests/test_cli.py", "test_generate_end_to_end"),
+    ("cubeserve", "window-check"): ("tests/test_cli.py", "test_window_check_on_the_demo_model"),
     ("curl",): ("tests/test_clients.py", "test_plain_json_request_gets_valid_json_with_the_mesh_in_base64"),
     ("jq",): ("tests/test_clients.py", "test_plain_json_request_gets_valid_json_with_the_mesh_in_base64"),
     ("cubeserve", "batch"): ("tests/test_batch.py", 'cli.main(["batch"'),

@@ -182,8 +182,8 @@ class Recommendation:
             return f"recommendation: leave {DECODE_WINDOW_SETTING} at 1 ({why})"
         same = "" if b.identical_share == 1 else \
             f"; {b.identical}/{b.objects} objects token-identical to window 1"
-        return (f"recommendation: window {b.window}, {b.speedup:.2f}x window 1's decode speed per object"
-                f"{same}: set \"{DECODE_WINDOW_SETTING}\": {b.window} in the version's version.json")
+        return (f"recommendation: set \"{DECODE_WINDOW_SETTING}\": {b.window} in the version's version.json "
+                f"(window {b.window}: {b.speedup:.2f}x window 1's decode speed per object{same})")
 
 
 def recommend(figures: list[WindowFigures], margin: float = MARGIN) -> Recommendation:

@@ -137,6 +137,8 @@ def shared_actions(parser: argparse.ArgumentParser, group: SharedOptions) -> lis
 EXAMPLES = {
     ("cubeserve",): "cubeserve --verbose info --config tiny",  # run
     ("cubeserve", "generate"): 'cubeserve generate "a red chair" --weights models/demo --out chair.glb --seed 0',  # run
+    ("cubeserve", "window-check"): "cubeserve window-check --weights models/demo --windows 1,4,8,16 "
+                                   "--json window-check.json",
     ("cubeserve", "batch"): "cubeserve batch prompts.jsonl --weights models/demo --out outputs/catalogue "
                             "--resolution 6 --preview",
     ("cubeserve", "info"): "cubeserve info --config v0.1 --json",  # run
