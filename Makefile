@@ -1,8 +1,8 @@
 # cube-serve. `make demo` and `make test` work on a fresh machine: they create .venv and install
 # what they need, in two steps. `make demo` and `make serve`: `torch==2.13.0` from PyPI (on Linux
-# x86-64 the CUDA build, which also runs without a GPU) and the `serve` extra, the Triton server
-# wheel and its client: about 5.4 GB in .venv. `make test` and every other target add the `test`
-# extra: about 7.3 GB in all (README.md).
+# x86-64 the CUDA build, which also runs without a GPU), less its compiler `triton`, and the `serve`
+# extra, the Triton server wheel and its client: about 4.7 GB in .venv. `make test` and the other
+# targets add the `test` extra (and `triton`): about 7.3 GB in all (README.md).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,11 +22,19 @@ $(VENV)/.installed-serve: pyproject.toml
 	$(PY) -m pip install -q -e ".[serve]"  # the Triton server wheel and its client
 	touch $@
 
+# `make demo` and `make serve` leave out torch's kernel compiler for torch.compile (the `triton`
+# package, 0.7 GB), which neither uses: torch imports and runs eagerly without it, as its wheels
+# for other platforms do (they have none). The test step puts it back (pip installs torch's
+# requirements); a .venv that has had that step keeps it.
+$(VENV)/.installed-demo: $(VENV)/.installed-serve
+	test -e $(VENV)/.installed-test || $(PY) -m pip uninstall -y -q triton
+	touch $@
+
 $(VENV)/.installed-test: $(VENV)/.installed-serve
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-install-demo: $(VENV)/.installed-serve
+install-demo: $(VENV)/.installed-demo
 install: $(VENV)/.installed-test
 
 # Two workers (pytest-xdist), a test file each at a time: much of the suite waits on servers,
