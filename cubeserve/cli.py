@@ -232,6 +232,9 @@ def cmd_serve(args) -> int:
         print(busy, file=sys.stderr)
         return 2
     ensure_demo_weights(repo)
+    if not any(Path("/dev").glob("nvidia[0-9]*")):  # tritonserver looks for a GPU and says so
+        print("No NVIDIA GPU here: the models run on the CPU, and tritonserver's CUDA, NVML and DCGM lines "
+              "below are expected (docs/troubleshooting.md).", file=sys.stderr)
     try:
         server.start(timeout=args.timeout)
     except RuntimeError as exc:  # its log is above; a port taken since the check above says so there
