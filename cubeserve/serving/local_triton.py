@@ -23,10 +23,10 @@ from pathlib import Path
 
 from cubeserve import deploy
 from cubeserve.lifetime import ends_with_this_process
+from cubeserve.serving.repository import MODEL_REPOSITORY, with_string_parameters
 from cubeserve.serving.stubs import children, process_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_REPOSITORY = REPO_ROOT / "triton_models"
 # The trained demo checkpoint shipped with the project (`make demo-model` rebuilds it).
 DEMO_MODEL = REPO_ROOT / "models" / "demo"
 
@@ -304,8 +304,6 @@ def copy_model_repository(target: Path, engine_parameters: dict | None = None) -
     target = Path(target)
     for model in (deploy.PREDICT_MODEL, deploy.STREAM_MODEL):
         shutil.copytree(MODEL_REPOSITORY / model, target / model, ignore=shutil.ignore_patterns("weights", "__pycache__"))
-    from cubeserve.serving.repository import with_string_parameters
-
     config = target / deploy.STREAM_MODEL / "config.pbtxt"
     config.write_text(with_string_parameters(config.read_text(), engine_parameters or {}, config))
     return target

@@ -23,6 +23,9 @@ from pathlib import Path
 from cubeserve.config import QUANTIZATIONS
 from cubeserve.deploy import IMAGE_MODEL_REPOSITORY, PREDICT_MODEL, STREAM_MODEL
 
+# The models' code and configs in this checkout (an editable install): triton_models/.
+MODEL_REPOSITORY = Path(__file__).resolve().parents[2] / "triton_models"
+
 INSTANCE_KINDS = ("cpu", "gpu")
 # The engine's model on one GPU: triton_engine.py runs a KIND_GPU instance on its own device
 # (cuda:<model_instance_device_id>); in a pod that sees one GPU, that is device 0.
@@ -34,8 +37,6 @@ _INSTANCE_GROUP = re.compile(r"^instance_group \[.*\]$", re.MULTILINE)
 def template_repository() -> Path:
     """Where the models' code and configs come from: triton_models/ of this checkout (an
     editable install), or of the runtime image (k8s/Dockerfile copies it there)."""
-    from cubeserve.serving.local_triton import MODEL_REPOSITORY
-
     return MODEL_REPOSITORY if MODEL_REPOSITORY.is_dir() else Path(IMAGE_MODEL_REPOSITORY)
 
 
