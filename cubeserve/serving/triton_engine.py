@@ -32,8 +32,9 @@ import triton_python_backend_utils as pb_utils
 from cubeserve.config import decode_window_of
 from cubeserve.engine.engine import Engine
 from cubeserve.engine.fast_paths import check_recipe
+from cubeserve.engine.geometry import Mesh
 from cubeserve.engine.scheduler import MAX_WAIT_S, EngineStats, Scheduler
-from cubeserve.requests import InvalidRequest, Unavailable
+from cubeserve.requests import FORMATS, InvalidRequest, Unavailable
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving import protocol
 from cubeserve.serving.cpu_share import engine_processes
@@ -45,7 +46,8 @@ from cubeserve.serving.triton_common import (Drain, Reply, error_response, param
                                               request_timeout_s, response)
 from cubeserve.serving.triton_metrics import Measurements, kept, locked
 
-CANCEL_POLL_S = 0.1  # how often the decode thread asks Triton whether a client went away
+CANCEL_POLL_S = 0.1  # how often ClientWatch asks Triton whether a client went away
+METRICS_WRITE_S = 0.25  # how often at most the engine's batch metrics are written (TritonStats)
 EXIT_GRACE_S = 30.0  # after finalize: an engine process still running then is stuck on its way out
 
 
@@ -60,10 +62,27 @@ def _inputs(request) -> dict[str, np.ndarray | None]:
 class TritonStats(EngineStats):
     """EngineStats that also updates the engine's Prometheus metrics (batch-level: tokens, steps,
     the batch's size, waiting requests) on Triton's metrics port. Per-object measurements are
-    the `Measurements` of serving/triton_metrics.py."""
+    the `Measurements` of serving/triton_metrics.py.
+
+    Every write of a metric is a round trip to tritonserver (triton_metrics.py), so none is made
+    on the decode thread: written there, five or more a step held every step up by as long as
+    the step itself on a busy CPU (issue 53). The loop only counts, in this object; a thread of
+    its own writes what changed, counters before gauges (a reader that sees the batch empty sees
+    its tokens too): at once when the batch or the queue grows, else at most every
+    METRICS_WRITE_S. The geometry thread writes too when an object completes,
+    before its answer goes out: a client that reads the metrics after its answer finds its
+    tokens and steps counted. Drops are written at once (rare; read by tests and alerts right
+    after the answer that says so)."""
+
+    COUNTERS = {"cube3d_tokens_generated_total": "tokens_generated", "cube3d_objects_completed_total": "objects_completed",
+                "cube3d_decode_steps_total": "steps", "cube3d_decode_seconds_total": "step_seconds",
+                "cube3d_queue_seconds_total": "queue_seconds"}
+    GAUGES = {"cube3d_objects_in_flight": "in_flight", "cube3d_decode_step_seconds": "last_step_seconds",
+              "cube3d_requests_waiting": "waiting"}
 
     def __init__(self, labels: dict[str, str]):
         super().__init__()
+        self.last_step_seconds = 0.0
         counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         # The families must outlive their metrics, so they are kept on the object.
         self.families = {
@@ -87,42 +106,143 @@ class TritonStats(EngineStats):
         dropped = self.families["cube3d_requests_dropped_total"]
         self.dropped = {reason: kept(dropped.Metric(labels={**labels, "reason": reason}))
                         for reason in ("refused_busy", "shed", "expired", "cancelled")}
+        self._written = dict.fromkeys([*self.COUNTERS, *self.GAUGES], 0)  # what tritonserver shows
+        self._write_lock = threading.Lock()
+        # changed: something to write; now: the batch or the queue changed, write without waiting
+        self._changed, self._now, self._closing = threading.Event(), threading.Event(), threading.Event()
+        self._writer = threading.Thread(target=self._write_changes, name="cube3d-metrics", daemon=True)
+        self._writer.start()
+
+    def write(self) -> None:
+        """Write what changed since the last write (a round trip per metric that did)."""
+        with self._write_lock:
+            with self.lock:
+                now = {name: getattr(self, attr) for name, attr in {**self.COUNTERS, **self.GAUGES}.items()}
+            changed = [name for name, value in now.items() if value != self._written[name]]  # counters first
+            if not changed:
+                return
+
+            def update():
+                for name in changed:
+                    if name in self.COUNTERS:
+                        self.metric[name].increment(now[name] - self._written[name])
+                    else:
+                        self.metric[name].set(now[name])
+            locked(update)
+            self._written.update((name, now[name]) for name in changed)
+
+    def _write_changes(self) -> None:
+        written = 0.0
+        while True:
+            self._changed.wait()
+            rest = METRICS_WRITE_S - (time.monotonic() - written)
+            if rest > 0:
+                self._now.wait(rest)
+            if self._closing.is_set():
+                return
+            self._changed.clear()
+            self._now.clear()
+            try:
+                self.write()
+            except Exception as exc:  # noqa: BLE001 - metrics never stop the engine
+                pb_utils.Logger.log_warn(f"writing the engine's metrics failed: {exc}")
+            written = time.monotonic()
+
+    def _batch_changed(self, before: int, after: int) -> None:
+        # Only a batch or queue that grew is written at once (a reader waiting for work to start
+        # sees it start): a write is several round trips to tritonserver, and one each time the
+        # batch empties would land as geometry starts, on the cores its threads hold. The
+        # geometry thread's write as the object completes says the batch emptied.
+        if after > before:
+            self._now.set()
+        self._changed.set()
+
+    def close(self) -> None:
+        """Stop the writer (after the scheduler: nothing counts any more), then write the rest."""
+        self._closing.set()
+        self._now.set()
+        self._changed.set()
+        self._writer.join(METRICS_WRITE_S + 5)
+        self.write()
 
     def on_step(self, objects, seconds):
+        before = self.in_flight
         super().on_step(objects, seconds)
-        m = self.metric
-
-        def update():
-            m["cube3d_tokens_generated_total"].increment(objects)
-            m["cube3d_decode_steps_total"].increment(1)
-            m["cube3d_decode_seconds_total"].increment(seconds)
-            m["cube3d_objects_in_flight"].set(objects)
-            m["cube3d_decode_step_seconds"].set(seconds)
-        locked(update)
+        with self.lock:
+            self.last_step_seconds = seconds
+        self._batch_changed(before, objects)
 
     def on_window_tokens(self, tokens):
         super().on_window_tokens(tokens)
-        locked(lambda: self.metric["cube3d_tokens_generated_total"].increment(tokens))
+        self._changed.set()
 
     def on_admit(self, queue_seconds):
         super().on_admit(queue_seconds)
-        locked(lambda: self.metric["cube3d_queue_seconds_total"].increment(queue_seconds))
+        self._changed.set()
 
     def on_in_flight(self, objects):
+        before = self.in_flight
         super().on_in_flight(objects)
-        locked(lambda: self.metric["cube3d_objects_in_flight"].set(objects))
+        self._batch_changed(before, objects)
 
-    def on_complete(self):
+    def on_complete(self):  # on the geometry thread, before the object's answer
         super().on_complete()
-        locked(lambda: self.metric["cube3d_objects_completed_total"].increment(1))
+        self.write()
 
     def on_dropped(self, reason):
         super().on_dropped(reason)
         locked(lambda: self.dropped[reason].increment(1))
 
     def on_waiting(self, waiting):
+        before = self.waiting
         super().on_waiting(waiting)
-        locked(lambda: self.metric["cube3d_requests_waiting"].set(waiting))
+        if waiting != before:
+            self._batch_changed(before, waiting)
+
+
+class ClientWatch:
+    """Asks Triton every CANCEL_POLL_S whether the clients of the requests it watches went away,
+    and cancels their tickets (the scheduler drops them at its next step). On a thread of its own:
+    each question is a round trip to tritonserver, which on the decode thread held the batch up.
+    Only requests from clients are watched: a forward of the predict model cannot be cancelled
+    by its caller (BLS), so the predict model cancels it with a control request instead."""
+
+    def __init__(self):
+        self._watched: dict[int, tuple[Reply, object]] = {}
+        self._lock = threading.Lock()
+        self._wake, self._closing = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cube3d-clients", daemon=True)
+        self._thread.start()
+
+    def watch(self, reply: Reply, ticket) -> None:
+        with self._lock:
+            self._watched[id(ticket)] = (reply, ticket)
+        self._wake.set()
+
+    def forget(self, ticket) -> None:
+        with self._lock:
+            self._watched.pop(id(ticket), None)
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            with self._lock:
+                watched = list(self._watched.values())
+            if not watched:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            for reply, ticket in watched:
+                try:
+                    if reply.client_gone():
+                        ticket.cancel()
+                except Exception as exc:  # noqa: BLE001 - the watch goes on; the request ends anyway
+                    pb_utils.Logger.log_warn(f"asking whether a client went away failed: {exc}")
+            self._closing.wait(CANCEL_POLL_S)
+
+    def close(self) -> None:
+        self._closing.set()
+        self._wake.set()
+        self._thread.join(CANCEL_POLL_S + 5)
 
 
 def mesh_quality(mesh) -> str:
@@ -134,6 +254,17 @@ def mesh_quality(mesh) -> str:
         return metric_names.MESH_EMPTY
     closed = trimesh.Trimesh(vertices=mesh.vertices, faces=mesh.faces, process=False).is_watertight
     return metric_names.MESH_OK if closed else metric_names.MESH_NOT_WATERTIGHT
+
+
+def warm_mesh_output() -> None:
+    """Export a tetrahedron in every format and judge its quality, once, as the engine loads: the
+    first export imports and sets up trimesh's exporters, 0.65 s of the first request's time
+    otherwise (measured on a busy 2-core CPU; issue 53)."""
+    tetrahedron = Mesh(vertices=np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], dtype=np.float32),
+                       faces=np.array([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]], dtype=np.int64))
+    for file_type in FORMATS:
+        protocol.encode_mesh(tetrahedron.export(file_type), "base64")
+    mesh_quality(tetrahedron)
 
 
 class EngineModel:
@@ -175,18 +306,21 @@ class EngineModel:
                                  config=params.get("config") or None, engines_sharing_cpu=engines,
                                  decode_window=decode_window_of(settings))
         self.uses_bbox = engine.cfg.gpt.use_bbox
+        warm_mesh_output()
         self.version = args["model_version"]  # every mesh response says it (MODEL_VERSION)
         labels = {"model": args["model_name"], "version": args["model_version"]}
         graphs = {"": None, "auto": None, "true": True, "false": False}[params.get("cuda_graphs", "").lower()]
         max_queue, max_wait_s = params.get("max_queue"), params.get("max_wait_s")
+        self.stats = TritonStats(labels)
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
-                                   stats=TritonStats(labels), graphs=graphs,
+                                   stats=self.stats, graphs=graphs,
                                    max_queue=int(max_queue) if max_queue else None,
                                    max_wait_s=float(max_wait_s) if max_wait_s else MAX_WAIT_S).start()
         self.measurements = Measurements(args["model_name"])
         self.drain = Drain(args)
         self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
         self.forwarded_lock = threading.Lock()
+        self.clients = ClientWatch()
         pb_utils.Logger.log_info(
             f"cube3d engine ready: {engine.cfg.name} from {weights} on {device} "
             f"({str(engine.dtype).removeprefix('torch.')}, weights {engine.quantization}), "
@@ -237,18 +371,10 @@ class EngineModel:
         def on_progress(tokens: int) -> None:  # on the decode thread, between steps
             reply.send(response({"PROGRESS": np.array([tokens], dtype=np.int32)}), final=False)
 
-        last_poll = [0.0]
-
-        def client_gone() -> bool:  # asking Triton is an IPC round trip: not every step
-            now = time.monotonic()
-            if now - last_poll[0] < CANCEL_POLL_S:
-                return False
-            last_poll[0] = now
-            return reply.client_gone()
-
         request_id = request.request_id()
 
         def done(future) -> None:  # on the geometry thread (or wherever the ticket ended)
+            self.clients.forget(ticket)
             if request_id:
                 with self.forwarded_lock:
                     self.forwarded.pop(request_id, None)
@@ -275,7 +401,7 @@ class EngineModel:
 
         try:
             ticket = self.scheduler.submit(generation, on_progress=on_progress if options.stream_progress else None,
-                                           client_gone=client_gone, timeout=request_timeout_s(request),
+                                           timeout=request_timeout_s(request),
                                            band=band, tenant=queue[TENANT_KEY] or "")
         except Unavailable as exc:  # busy, or the model is being unloaded
             answer(error_response(str(exc), "unavailable"), metric_names.UNAVAILABLE)
@@ -286,12 +412,16 @@ class EngineModel:
         if request_id:
             with self.forwarded_lock:
                 self.forwarded[request_id] = ticket
+        if not forwarded:
+            self.clients.watch(reply, ticket)
         ticket.future.add_done_callback(done)
 
     def finalize(self):
         # Logged: until this returns, the unloaded version's process and its memory stay.
         started = time.monotonic()
         self.scheduler.stop()
+        self.clients.close()
+        self.stats.close()
         pb_utils.Logger.log_info(f"cube3d engine of version {self.version} stopped in "
                                  f"{time.monotonic() - started:.1f} s")
         with self.forwarded_lock:
