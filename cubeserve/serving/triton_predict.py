@@ -121,6 +121,7 @@ class Forward(Reply):
         self.queue = _queue_parameters(request)
         self.tokens, self.engine_seconds = 0, 0.0  # of its mesh, for the tenant's usage
         self.timings: dict = {}  # the engine's stages (engine.Timings), for the trace
+        self.engine_answered: float | None = None  # time.monotonic() when the engine's mesh came back
         self.cancel_sent = False
         self._claim_lock = threading.Lock()
         self._claimed = False
@@ -269,9 +270,12 @@ class PredictModel:
     def _trace(self, forward: Forward, outcome: str, parent: str | None, ended: tuple[int, float]) -> None:
         """The request's time in the engine as spans (cubeserve/tracing.py), children of the span
         the front end sent (TRACE_KEY): `generate` from this model's start to its answer, and
-        inside it the engine's stages as Timings measured them, laid back to back from the
-        engine's end: waiting for a slot, prefill (CLIP and the condition prefill), decode,
-        geometry. Nothing without a parent or where tracing is off."""
+        inside it the engine's stages as its TIMINGS measured them, laid back to back up to the
+        moment the engine's answer came back: waiting for a slot, prefill (CLIP and the condition
+        prefill), decode, geometry, export (the mesh to its file); then `answer`, this model's own
+        part after that (measuring the request, its response). What none of them covers (the
+        forward's way to the engine and back, the engine taking the request and sending its
+        answer) is left out of every stage. Nothing without a parent or where tracing is off."""
         tracer = tracing.tracer(ENGINE_TRACE_SERVICE) if parent else None
         if tracer is None:
             return
@@ -286,7 +290,10 @@ class PredictModel:
             stages = forward.timings
             if stages.get("total_s") is not None:
                 context = otel.set_span_in_context(span)
-                engine_start = end - int(stages["total_s"] * 1e9)
+                answered = end if forward.engine_answered is None else \
+                    end - int((end_monotonic - forward.engine_answered) * 1e9)
+                mesh_ready = answered - int((stages.get("export_s") or 0.0) * 1e9)
+                engine_start = mesh_ready - int(stages["total_s"] * 1e9)
                 prefill = stages.get("prefill_s") or 0.0
                 at = engine_start
                 for name, seconds in (("queue", stages.get("queue_s", 0.0) - prefill), ("prefill", prefill),
@@ -294,8 +301,10 @@ class PredictModel:
                     stage_end = at + int(max(0.0, seconds) * 1e9)
                     tracer.start_span(name, context=context, start_time=at).end(end_time=stage_end)
                     at = stage_end
-                tracer.start_span("geometry", context=context,
-                                  start_time=end - int(stages.get("geometry_s", 0.0) * 1e9)).end(end_time=end)
+                for name, stage_start, stage_end in (
+                        ("geometry", mesh_ready - int(stages.get("geometry_s", 0.0) * 1e9), mesh_ready),
+                        ("export", mesh_ready, answered), ("answer", answered, end)):
+                    tracer.start_span(name, context=context, start_time=stage_start).end(end_time=stage_end)
             span.end(end_time=end)
         except Exception as exc:  # noqa: BLE001 - tracing never fails a request
             pb_utils.Logger.log_warn(f"tracing {forward.id} failed: {exc}")
@@ -382,6 +391,7 @@ class PredictModel:
         outcome, answer, outputs = self._exec(forward, arrays, request.timeout(), keep_outputs)
         if outcome != metric_names.OK:
             return outcome, answer, None
+        forward.engine_answered = time.monotonic()
         self._measure_work(forward, answer)
         arm = pb_utils.Tensor("ARM", np.array([forward.arm.encode()], dtype=np.object_))
         return outcome, pb_utils.InferenceResponse(output_tensors=[*answer.output_tensors(), arm]), outputs

@@ -85,9 +85,10 @@ TIMINGS = {
     "prefill_s": "The admission: the text encoder and the prefill of the batch it joined.",
     "tokens_s": "Decoding: from the admission to the last token.",
     "time_per_token_s": "`tokens_s` divided by the tokens (one decode step each).",
-    "geometry_s": "Tokens to mesh: the shape decoder, the occupancy grid, marching cubes and the file.",
+    "geometry_s": "Tokens to mesh: the shape decoder, the occupancy grid and marching cubes.",
     "total_s": "From the engine's receipt of the request to the mesh: the server's part of the latency "
                "(the transfers and the predict model's forwarding excluded).",
+    "export_s": "The mesh to its file (FORMAT), in MESH_ENCODING, after `total_s`.",
     "message": "Only when the mesh is empty: why (e.g. the occupancy field does not cross zero at this "
                "resolution).",
 }
