@@ -119,7 +119,7 @@ def _phase(url: str, clients: int, *, seconds: float | None = None, requests: in
 
 
 PHASE_S = 20  # each loaded phase; short runs on the shared cores
-BACKGROUND = 2  # clients sending straight to the near server (not through its region's cap): its own load
+BACKGROUND = 6  # clients sending straight to the near server (not through its region's cap): its own load
 # Each server's engine on one thread: two engines with a team of 2 threads each on the same 2
 # cores stall at every barrier once both decode (BENCHMARKS.md, "Shared CPU nodes"), which is
 # this machine's, not a region's: each region has cores of its own.
@@ -407,7 +407,7 @@ def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
         repo = copy_model_repository(Path(tmp) / "models", {"max_objects": str(BANDS_MAX_OBJECTS),
                                                             "max_queue": str(BANDS_MAX_QUEUE)})
         write_random_weights(config, repo / STREAM_MODEL / "1" / "weights", seed=0)
-        server = LocalTriton(repo, free_port(), free_port(), free_port()).start()
+        server = LocalTriton(repo, free_port(), free_port(), free_port(), env=SERVER_ENV).start()
         gateways = {}
         try:
             for banded in (True, False):
@@ -454,7 +454,7 @@ def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
             f"{seconds / 2:g} s halves, banded and all-standard gateways alternated (A B B A) on the same server; "
             "the two-tenant phase through the banded gateway, twice. objects/s: answers 200 a second; 429: shed by "
             "the server's queue (engine/admission.py); 503: no capacity (a queue full of equals), after the gateway's "
-            "retry; all on the same 2 cores."]
+            "retry; the engine on one thread (SERVER_ENV), all on the same 2 cores."]
 
 
 def _host_counts(gateway) -> dict[int, int]:
