@@ -76,7 +76,7 @@ def engine_loop(prompts: str, out: Path, resolution: int, max_objects: int, thre
     from cubeserve import storage
     from cubeserve.batch import rows as rows_mod
     from cubeserve.engine import Engine
-    from cubeserve.serving.local_triton import DEMO_MODEL
+    from cubeserve.server.local_triton import DEMO_MODEL
 
     parsed = rows_mod.parse(rows_mod.read_records(prompts), rows_mod.Defaults(resolution=resolution))
     requests = [rows_mod.request_of(r.as_dict()) for r in parsed]
@@ -97,7 +97,7 @@ def engine_loop(prompts: str, out: Path, resolution: int, max_objects: int, thre
 def pipeline(prompts: str, out: Path, resolution: int, max_objects: int, decode_actors: int) -> dict:
     from cubeserve.batch import results, rows as rows_mod
     from cubeserve.batch.run import Settings, run
-    from cubeserve.serving.local_triton import DEMO_MODEL
+    from cubeserve.server.local_triton import DEMO_MODEL
 
     times = []
     settings = Settings(weights=str(DEMO_MODEL), out=str(out), device="cpu", decode_actors=decode_actors,

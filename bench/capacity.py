@@ -225,7 +225,7 @@ def run(steps: tuple[int, ...] = DEFAULT_STEPS, seconds: float = 20.0, resolutio
             limits = (scheduler.runner.max_objects, scheduler.max_queue)
         model, dtype_name, path = f"{engine_config} (random weights)", str(dtype).removeprefix("torch."), "in process"
     else:
-        from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
+        from cubeserve.server.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
 
         with tempfile.TemporaryDirectory(prefix="cube3d-capacity-") as tmp:
             repo = copy_model_repository(Path(tmp) / "models", parameters or {})

@@ -75,7 +75,7 @@ def engine_phases(weights: Path, device) -> dict:
 def server_ready(weights: Path, work: Path) -> float | None:
     """Start -> ready of a local server with this version (None where tritonserver is missing)."""
     try:
-        from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+        from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
     except ImportError:
         return None
     from cubeserve import deploy

@@ -1,4 +1,4 @@
-"""What the front ends (cubeserve/serving/front.py, cubeserve/serving/grpc_front.py) add to a
+"""What the front ends (cubeserve/server/front.py, cubeserve/server/grpc_front.py) add to a
 request: the same requests sent alternately to a front end and to tritonserver's own port behind
 it (REST, then gRPC), on one server, in one run; p50 and p99 of each, and their difference.
 
@@ -132,7 +132,7 @@ def compare_grpc_latency(section: str, config: str, ports: dict[str, int], round
 def run(config: str = "tiny") -> tuple[list[Record], list[str]]:
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.deploy import STREAM_MODEL
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         repo = copy_model_repository(Path(tmp) / "models")

@@ -39,7 +39,7 @@ KEY = "bench-key-" + "0" * 40
 def bench_gateway_config(backends: list[str]):
     """The gateway the benchmarks measure: one tenant (KEY) whose quota never binds, on a free port."""
     from cubeserve.gateway import config as gateway_config
-    from cubeserve.serving.local_triton import free_port
+    from cubeserve.server.local_triton import free_port
 
     return gateway_config.parse({
         "listen": f"127.0.0.1:{free_port()}", "backends": backends,
@@ -51,7 +51,7 @@ def run(config: str = "tiny") -> tuple[list[Record], list[str]]:
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.deploy import STREAM_MODEL
     from cubeserve.gateway.envoy import Gateway
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         repo = copy_model_repository(Path(tmp) / "models")
@@ -134,7 +134,7 @@ def _server(repo: Path, ports: tuple[int, int, int] | None = None, cpu: int | No
     affinity its processes inherit), as a region's server has cores of its own."""
     import os
 
-    from cubeserve.serving.local_triton import LocalTriton, free_port
+    from cubeserve.server.local_triton import LocalTriton, free_port
 
     mine = os.sched_getaffinity(0)
     if cpu is not None and cpu in mine:
@@ -168,7 +168,7 @@ def _table(lines: list[str]):
 def _repository(tmp: str, config: str) -> Path:
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.deploy import STREAM_MODEL
-    from cubeserve.serving.local_triton import copy_model_repository
+    from cubeserve.server.local_triton import copy_model_repository
 
     repo = copy_model_repository(Path(tmp) / "models")
     write_random_weights(config, repo / STREAM_MODEL / "1" / "weights", seed=0)
@@ -177,7 +177,7 @@ def _repository(tmp: str, config: str) -> Path:
 
 def _gateway_config(config: str, regions: list[dict], routing: str):
     from cubeserve.gateway import config as gateway_config
-    from cubeserve.serving.local_triton import free_port
+    from cubeserve.server.local_triton import free_port
 
     return gateway_config.parse({
         "listen": f"127.0.0.1:{free_port()}", "model": config, "routing": routing, "regions": regions,
@@ -219,7 +219,7 @@ def run_regions(config: str = "tiny", routings: tuple[str, ...] = ("priority", "
 
     from cubeserve.gateway.envoy import Gateway
     from cubeserve.gateway.regions import RegionFront
-    from cubeserve.serving.local_triton import free_port
+    from cubeserve.server.local_triton import free_port
 
     lines = ["| routing | phase | clients | requests | not 200 | near | far | p50 ms | p99 ms | p50 near ms | "
              "p50 far ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -352,7 +352,7 @@ def _bands_gateway(url: str, banded: bool, tmp: str, name: str):
     `nightly-N` (batch), or all of them standard (banded False); `team-a` and `team-b` standard."""
     from cubeserve.gateway import config as gateway_config
     from cubeserve.gateway.envoy import Gateway
-    from cubeserve.serving.local_triton import free_port
+    from cubeserve.server.local_triton import free_port
 
     bands = {"live": "interactive", **{f"nightly-{i}": "batch" for i in range(BATCH_TENANTS)},
              "team-a": "standard", "team-b": "standard"}
@@ -390,7 +390,7 @@ def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
     from collections import defaultdict
 
     from bench.front_overhead import _percentile
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.deploy import STREAM_MODEL
 

@@ -103,7 +103,7 @@ DTYPE = "float32"
 
 
 def make_repository(root: Path, max_objects: int | None, max_queue: int | None) -> Path:
-    from cubeserve.serving.local_triton import copy_model_repository, ensure_demo_weights
+    from cubeserve.server.local_triton import copy_model_repository, ensure_demo_weights
 
     parameters = {k: v for k, v in (("max_objects", max_objects), ("max_queue", max_queue), ("dtype", DTYPE))
                   if v is not None}
@@ -264,7 +264,7 @@ def run_load(clients: int = 64, duration: float = 600.0, max_objects: int | None
     import torch
 
     from bench.common import hardware
-    from cubeserve.serving.local_triton import SERVER_LOGS_ENV, LocalTriton, free_port
+    from cubeserve.server.local_triton import SERVER_LOGS_ENV, LocalTriton, free_port
     from cubeserve.serving.stubs import kill_leftover_stubs, stub_processes
 
     with tempfile.TemporaryDirectory(prefix="cube3d-load-") as tmp:

@@ -33,7 +33,7 @@ def run(config: str = "tiny", rounds: int = ROUNDS) -> tuple[list[Record], list[
     from cubeserve.engine import Engine, GenerationRequest
     from cubeserve.engine.scheduler import Scheduler
     from cubeserve.deploy import STREAM_MODEL
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 
     prompts = [f"bench object {i}" for i in range(OBJECTS)]
     records, lines = [], []

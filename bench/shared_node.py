@@ -97,7 +97,7 @@ class CpuLimit:
 def limited_server(limit: CpuLimit, threads: int | None, repo: Path, log: Path):
     """A LocalTriton whose process tree runs inside `limit`, with OMP_NUM_THREADS=threads (None:
     unset, the engine decides)."""
-    from cubeserve.serving.local_triton import LocalTriton, free_port
+    from cubeserve.server.local_triton import LocalTriton, free_port
 
     class Limited(LocalTriton):
         def command(self):

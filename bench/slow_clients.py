@@ -112,7 +112,7 @@ def main() -> None:
     from cubeserve import deploy
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.gateway.envoy import Gateway
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 16), hard))  # the attack's sockets

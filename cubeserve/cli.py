@@ -218,7 +218,7 @@ def cmd_weights_check(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights
+    from cubeserve.server.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights
 
     repo = Path(args.model_repository) if args.model_repository else MODEL_REPOSITORY
     # Supervised: a python backend stub that dies (e.g. killed for memory) restarts the server.
@@ -284,7 +284,7 @@ def cmd_demo(args) -> int:
     """Start the local Triton server, generate through the client, write the mesh and a PNG,
     print the timings, stop the server."""
     from cube3d_client import Cube3DClient
-    from cubeserve.serving.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights, free_port
+    from cubeserve.server.local_triton import MODEL_REPOSITORY, LocalTriton, ensure_demo_weights, free_port
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

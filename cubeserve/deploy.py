@@ -16,7 +16,7 @@ HTTP_PORT = 8000  # REST: the KServe predict API (Open Inference Protocol v2) an
 GRPC_PORT = 8001  # gRPC: ModelInfer and the decoupled stream
 METRICS_PORT = 8002  # Prometheus text format
 # tritonserver's own REST and gRPC endpoints, on the loopback only: clients reach HTTP_PORT and
-# GRPC_PORT, where the supervisor's front ends (serving/front.py, serving/grpc_front.py) check
+# GRPC_PORT, where the supervisor's front ends (server/front.py, server/grpc_front.py) check
 # every request and forward it here.
 TRITON_HTTP_PORT = 8010
 TRITON_GRPC_PORT = 8011
@@ -41,7 +41,7 @@ IMAGE_UID = 10001
 # makes it the Knative revision's timeoutSeconds, or the HTTPRoute's timeout; a plain Ingress
 # needs its controller's own setting: docs/deploy/draining.md). A large mesh at high resolution is slow.
 REQUEST_TIMEOUT_S = 600
-# What a client's connection gets, on the front ends (serving/front.py, serving/grpc_front.py) and
+# What a client's connection gets, on the front ends (server/front.py, server/grpc_front.py) and
 # at the gateway (gateway/envoy.py, k8s/gateway/clienttrafficpolicy.yaml), so that silent and
 # slow connections cannot hold the connection caps (docs/security.md, "Timeouts"):
 # - HEADER_TIMEOUT_S: to send the first byte and the whole request head (or, on gRPC, the
@@ -143,12 +143,12 @@ def tritonserver_args(model_repository: str = KSERVE_MODEL_DIR) -> list[str]:
     ]
 
 
-# tritonserver runs under cubeserve's supervisor (cubeserve/serving/supervisor.py): it serves the
+# tritonserver runs under cubeserve's supervisor (cubeserve/server/supervisor.py): it serves the
 # REST and gRPC front ends on HTTP_PORT and GRPC_PORT (all interfaces of the pod), opens the admin
 # APIs with the key of ADMIN_KEY_ENV, and when a python backend stub dies (Triton keeps answering ready while the model
 # fails every request) it stops the server (readiness fails at once) and exits, and the kubelet
 # restarts the container.
-SUPERVISOR = ["python3", "-m", "cubeserve.serving.supervisor", "--on-fault", "exit",
+SUPERVISOR = ["python3", "-m", "cubeserve.server.supervisor", "--on-fault", "exit",
               "--rest-address=0.0.0.0", f"--rest-port={HTTP_PORT}",
               "--grpc-address=0.0.0.0", f"--grpc-port={GRPC_PORT}", "--"]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from cubeserve.serving.local_triton import free_port
+from cubeserve.server.local_triton import free_port
 
 MANIFEST = Path(__file__).resolve().parents[1] / "k8s" / "mlflow" / "mlflow.yaml"
 HOST = "127.0.0.1"

@@ -77,7 +77,7 @@ class LocalCluster:
         self._stack = ExitStack()
 
     def __enter__(self) -> "LocalCluster":
-        from cubeserve.serving.local_triton import LocalTriton, free_port
+        from cubeserve.server.local_triton import LocalTriton, free_port
         from kfp_pipelines.local_services import MlflowServer, ObjectStore, Prometheus
 
         self.state.mkdir(parents=True, exist_ok=True)

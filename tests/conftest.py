@@ -13,7 +13,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Parallel workers (pytest-xdist: `make test` runs two): each picks its servers' ports in a range
-# of its own, below the kernel's ephemeral ports (cubeserve.serving.local_triton.free_port).
+# of its own, below the kernel's ephemeral ports (cubeserve.server.local_triton.free_port).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and _WORKER[2:].isdigit():
     _low = 10000 + 2000 * int(_WORKER[2:])

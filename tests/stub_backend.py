@@ -9,7 +9,7 @@ whatever the backend computes. The tests that need the server itself (a mesh, it
 the real one (tests/test_gateway.py).
 
 With `--load-target N` every answer carries the server's load report as the real front ends
-write it (cubeserve/serving/load_report.py, imported from the project only then): POSTs in
+write it (cubeserve/server/load_report.py, imported from the project only then): POSTs in
 progress / N, for the gateway's load-aware routing (tests/test_gateway_load.py).
 
     python tests/stub_backend.py --port P --log FILE [--delay S] [--name NAME] [--max-in-flight N]
@@ -40,7 +40,7 @@ def main() -> None:
     args = p.parse_args()
     load = None
     if args.load_target:
-        from cubeserve.serving.load_report import HEADER, LoadReport
+        from cubeserve.server.load_report import HEADER, LoadReport
 
         load = LoadReport(args.load_target)
     lock = threading.Lock()

@@ -10,10 +10,10 @@ fault ..."); glibc's heap checks abort with their reason on the process's stderr
 invalid pointer"), which is the server's log. So:
 
 * every LocalTriton of the run keeps a log, listed in one folder (SERVER_LOGS_ENV, set here
-  before any test or xdist worker starts; cubeserve/serving/local_triton.py);
+  before any test or xdist worker starts; cubeserve/server/local_triton.py);
 * the supervisor names each stub's PID there, and where its code is mapped (the kernel names
   the faulting thread, whose id is the stub's PID only for its main thread, and the mapping of
-  the code it was in), and says how each tritonserver ended (cubeserve/serving/supervisor.py);
+  the code it was in), and says how each tritonserver ended (cubeserve/server/supervisor.py);
 * at the end, the kernel log's records since the start (/dev/kmsg) that name one of those stubs,
   and glibc's heap-corruption aborts in those logs, are the crashes. Shown, not counted: kernel
   records naming a stub that is none of this run's (another run on the machine), and those of a
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeserve.serving.local_triton import SERVER_LOGS_ENV
+from cubeserve.server.local_triton import SERVER_LOGS_ENV
 
 _WHEN = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) cubeserve supervisor: "  # the supervisor's log format
 STUB_LINE = re.compile(_WHEN + r"python backend stub (\d+): (\S+) version (\S+) \(tritonserver pid (\d+)"

@@ -20,7 +20,7 @@ from cubeserve.rollout import analyze as a
 from cubeserve.rollout.cli import main as rollout_main
 from serving_helpers import wait_until
 from cubeserve.serving import metrics as m
-from cubeserve.serving.local_triton import free_port
+from cubeserve.server.local_triton import free_port
 from prometheus_server import PrometheusServer
 
 
@@ -370,7 +370,7 @@ def served(tmp_path_factory):
     from cubeserve.serving.stubs import python_stubs
     from cubeserve.pipeline.serving import send_traffic, serve_versions
     from cubeserve.serving.experiment import Arm, Experiment
-    from cubeserve.serving.local_triton import DEMO_MODEL, LocalTriton
+    from cubeserve.server.local_triton import DEMO_MODEL, LocalTriton
     from cubeserve.serving.repository import build_version_repository
 
     tmp = tmp_path_factory.mktemp("e2e")

@@ -181,7 +181,7 @@ RESOLUTION = 4
 
 def start_servers(tmp_path: Path, servers: list, n: int = 2) -> None:
     """n real servers of the demo model, appended to `servers` as made (the caller stops them)."""
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
 
     for i in range(n):
         repo = copy_model_repository(tmp_path / f"models-{i}", {"dtype": "float32"})

@@ -19,7 +19,7 @@ import pytest
 
 from cubeserve.batch import results, rows
 from cubeserve.batch.run import Settings, run
-from cubeserve.serving.local_triton import DEMO_MODEL
+from cubeserve.server.local_triton import DEMO_MODEL
 from guards import cannot_run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -91,7 +91,7 @@ def test_weights_init_and_check(tmp_path):
 def test_serve_on_a_port_in_use_names_the_port_and_its_flag_in_one_line(tmp_path):
     """`cubeserve serve` (and `make serve`) where something listens on its port already: one line
     naming the port and the flag that moves it, exit 2, nothing started, no traceback."""
-    from cubeserve.serving.local_triton import free_port
+    from cubeserve.server.local_triton import free_port
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", free_port()))

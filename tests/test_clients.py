@@ -19,7 +19,7 @@ import pytest
 from cube3d_client import Cube3DClient
 from cubeserve.engine import Engine, GenerationRequest
 from cubeserve.serving import protocol
-from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
+from cubeserve.server.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
 
 PROMPT, SEED, RESOLUTION = "a small ball", 3, 5
 KSERVE_SDK_CLIENT = Path(__file__).with_name("kserve_sdk_client.py")

@@ -190,7 +190,7 @@ def serve_one(weights, tmp_path, instance_kind: str, request: Req) -> tuple[dict
     """One request to the predict model `cube3d` of a one-version repository built as a pod's
     (cubeserve.serving.repository, `instance_kind` "gpu": the engine model a KIND_GPU instance
     on GPU 0), served by a local Triton: the outputs by name, and the server's log."""
-    from cubeserve.serving.local_triton import LocalTriton, free_port, tritonserver_home
+    from cubeserve.server.local_triton import LocalTriton, free_port, tritonserver_home
     from cubeserve.serving.repository import build_version_repository
 
     try:

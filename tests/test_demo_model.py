@@ -15,7 +15,7 @@ from cubeserve.config import DEMO, TINY
 from cubeserve.demo import build, shapes, train
 from cubeserve.demo.data import ShapeSet
 from cubeserve.demo.evaluate import evaluate_dir
-from cubeserve.serving.local_triton import DEMO_MODEL, ensure_demo_weights
+from cubeserve.server.local_triton import DEMO_MODEL, ensure_demo_weights
 
 FAST_TOKENIZER = train.TokenizerTraining(steps=4, batch=2, encoder_points=64, queries=64, save_every=2,
                                          warmup=2, restart_every=1, continuous_fraction=0.5)

@@ -623,7 +623,7 @@ def numbers_aside(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def api_server(tmp_path_factory):
     """The local server as `make serve` runs it (the demo model), on free ports."""
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
 
     root = copy_model_repository(tmp_path_factory.mktemp("model_repository"))
     ensure_demo_weights(root)

@@ -47,9 +47,9 @@ from cubeserve import deploy
 from cubeserve.checkpoint import write_random_weights
 from cubeserve.config import TINY
 from cubeserve.serving.drain import IN_PROGRESS_METRIC, in_progress
-from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 from cubeserve.serving.stubs import process_tree, python_stubs
-from cubeserve.serving.supervisor import DRAINED_GRACE_S
+from cubeserve.server.supervisor import DRAINED_GRACE_S
 from serving_helpers import metrics, wait_until
 
 # 2048 shape tokens on the tiny model (seconds on two cores): long enough for the test to find

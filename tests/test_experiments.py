@@ -26,7 +26,7 @@ from cube3d_client import Cube3DClient
 from cubeserve.checkpoint import write_random_weights
 from cubeserve.config import TINY
 from cubeserve.serving import experiment, metrics as names
-from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 from cubeserve.serving.stubs import python_stubs
 from serving_helpers import wait_until
 

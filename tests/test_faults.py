@@ -27,7 +27,7 @@ from cubeserve.checkpoint import write_random_weights
 from cubeserve.config import TINY
 from cubeserve.engine import Engine, GenerationRequest
 from cubeserve.engine.scheduler import Scheduler
-from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 from cubeserve.serving.stubs import children, process_tree, python_stubs
 from serving_helpers import metrics
 
@@ -476,7 +476,7 @@ def logged_since(server, offset: int, line: str) -> bool:
 def test_a_killed_engine_process_fails_its_requests_clearly_and_the_server_comes_back(server, when):
     """Two endings, both Triton's own: usually the predict model's watchdog answers the forwards
     503 and the supervisor restarts tritonserver; when the stub dies holding a shared-memory mutex,
-    tritonserver itself aborts (boost lock_exception, serving/supervisor.py) and its connections
+    tritonserver itself aborts (boost lock_exception, server/supervisor.py) and its connections
     close unanswered: the REST front end then answers 503. Either way every request ends at once,
     and the server comes back."""
     wait_for(lambda: ready(server) and idle(server), timeout=120)
@@ -580,7 +580,7 @@ def test_a_crashed_tritonserver_is_started_again_or_the_container_exits(repo, tm
     The crashed server's shared memory (which Triton removes only in its own shutdown) does not
     stay behind in /dev/shm."""
     from cubeserve.serving.stubs import python_stubs, shm_regions
-    from cubeserve.serving.supervisor import FAULT_EXIT_CODE
+    from cubeserve.server.supervisor import FAULT_EXIT_CODE
 
     triton = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "log", supervised=True,
                          fault_grace=2, on_fault=on_fault)
@@ -633,7 +633,7 @@ def test_a_tritonserver_that_never_starts_is_not_started_again(tmp_path):
     way every time: the supervisor passes tritonserver's exit code on instead of looping."""
     import subprocess
 
-    from cubeserve.serving.local_triton import prepare_python_backend, tritonserver_home
+    from cubeserve.server.local_triton import prepare_python_backend, tritonserver_home
 
     prepare_python_backend(tritonserver_home())
     triton = LocalTriton(tmp_path / "no-such-repository", free_port(), free_port(), free_port(), supervised=True)
@@ -648,10 +648,10 @@ def test_in_a_container_the_supervisor_exits_for_the_kubelet_to_restart(repo, tm
     control: a dead stub stops the server and the container's process exits with
     FAULT_EXIT_CODE, so the kubelet restarts the container (restartPolicy Always)."""
     from cubeserve import deploy
-    from cubeserve.serving.supervisor import FAULT_EXIT_CODE
+    from cubeserve.server.supervisor import FAULT_EXIT_CODE
 
     assert deploy.server_command()[:len(deploy.SUPERVISOR)] == deploy.SUPERVISOR
-    assert deploy.SUPERVISOR[:5] == [deploy.SUPERVISOR[0], "-m", "cubeserve.serving.supervisor", "--on-fault", "exit"]
+    assert deploy.SUPERVISOR[:5] == [deploy.SUPERVISOR[0], "-m", "cubeserve.server.supervisor", "--on-fault", "exit"]
     triton = LocalTriton(repo, free_port(), free_port(), free_port(), log_path=tmp_path / "log", supervised=True,
                          fault_grace=2, on_fault="exit")
     with triton:
@@ -704,7 +704,7 @@ def test_cubeserve_serve_runs_supervised_and_a_stop_ends_every_process(repo, tmp
         assert "supervisor pid" in line and "ready" in line
         tree = process_tree(serve.pid)
         names = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:3] for pid in tree]
-        assert any(b"cubeserve.serving.supervisor" in n for args in names for n in args)
+        assert any(b"cubeserve.server.supervisor" in n for args in names for n in args)
         assert any(args[0].endswith(b"tritonserver") for args in names)
         key_file = Path(re.search(r"with the key in (\S+);", line).group(1))
         assert key_file.stat().st_mode & 0o777 == 0o600 and len(key_file.read_text().strip()) >= 32

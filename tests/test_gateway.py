@@ -34,8 +34,8 @@ from cubeserve.gateway.envoy import ADMIN_PREFIXES, Gateway, envoy_binary, rende
 from cubeserve.serving import metrics as names
 from cubeserve.serving.experiment import BAND_KEY, EXPERIMENT_FILE_ENV, TENANT_KEY
 from cubeserve.serving.experiment import parse as parse_experiment
-from cubeserve.serving.front import ADMIN
-from cubeserve.serving.local_triton import (DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights,
+from cubeserve.server.front import ADMIN
+from cubeserve.server.local_triton import (DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights,
                                             free_port)
 from guards import cannot_run
 from serving_helpers import SLOW_HEAD, SLOW_PREFACE, Attack, wait_until
@@ -279,7 +279,7 @@ def test_admin_apis_are_refused_at_the_edge(start):
     backend = start.stub("b1")
     g = start([backend.address], [tenant("team-a")])
     assert set(ADMIN_PREFIXES) == set(deploy.RESTRICTED_APIS)
-    # Every kind of path the front end opens with the admin key (serving/front.py ADMIN)...
+    # Every kind of path the front end opens with the admin key (server/front.py ADMIN)...
     admin = ["/v2/repository/index", "/v2/repository/models/cube3d/load", "/v2/repository/models/cube3d/unload",
              "/v2/systemsharedmemory/status", "/v2/systemsharedmemory/region/r/register",
              "/v2/cudasharedmemory/unregister", "/v2/logging", "/v2/trace/setting", "/v2/models/cube3d/trace/setting",
@@ -729,7 +729,7 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
     """The same identity header, the same budgets and object cost as examples/, the same
     balancing and retries, the predict API only, and no key in the repository."""
     from cubeserve.gateway import envoy as local
-    from cubeserve.serving.front import GENERATE, INFER, OPEN_GET
+    from cubeserve.server.front import GENERATE, INFER, OPEN_GET
 
     _, _, objects = gateway_k8s
     by_kind = {o["kind"]: o for o in objects}

@@ -1,7 +1,7 @@
 """Servers report their load, and the gateway routes by it (issue 51; docs/gateway/regions-models-
 traces.md, "Load-aware routing").
 
-The report (serving/load_report.py): every answer of the REST front end carries the header
+The report (server/load_report.py): every answer of the REST front end carries the header
 `endpoint-load-metrics` (Envoy's text form), every gRPC call ends with `endpoint-load-metrics-bin`
 in its trailing metadata, refused ones included, with the generations in progress at the server
 (the REST and gRPC ones together) over its scaling target: the front ends alone, in this process,
@@ -32,11 +32,11 @@ from tritonclient.grpc import service_pb2 as pb
 from cubeserve import deploy
 from cubeserve.gateway import config as gateway_config
 from cubeserve.gateway.envoy import model_cluster, render
-from cubeserve.serving import load_report
-from cubeserve.serving.front import FrontEnd
-from cubeserve.serving.grpc_front import INFER, STREAM, GrpcFrontEnd
-from cubeserve.serving.load_report import LoadReport
-from cubeserve.serving.local_triton import copy_model_repository, free_port
+from cubeserve.server import load_report
+from cubeserve.server.front import FrontEnd
+from cubeserve.server.grpc_front import INFER, STREAM, GrpcFrontEnd
+from cubeserve.server.load_report import LoadReport
+from cubeserve.server.local_triton import copy_model_repository, free_port
 from serving_helpers import wait_until
 from test_gateway import KEYS, call, envoy, tenant  # noqa: F401 (fixtures)
 from test_gateway_regions import FAR_MS, NEAR_MS, fleet, load, two_regions  # noqa: F401 (fixtures)
@@ -295,7 +295,7 @@ def test_the_report_takes_the_servers_target_and_max_objects_from_its_repository
     """The supervisor's report: KIND_CPU (the shipped config) is deploy.SCALE_TARGET_CPU, KIND_GPU
     deploy.SCALE_TARGET; max_objects from cube3d_stream's parameters; both front ends share it."""
     from cubeserve.serving.repository import _GPU_GROUP, _config_with_instance_group
-    from cubeserve.serving.supervisor import Supervisor, front_limits
+    from cubeserve.server.supervisor import Supervisor, front_limits
 
     repo = copy_model_repository(tmp_path / "models", {"max_objects": "3"})
     report = LoadReport.for_repository(repo)

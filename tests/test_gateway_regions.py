@@ -23,7 +23,7 @@ from cubeserve.gateway import config as gateway_config
 from cubeserve.gateway.envoy import Gateway, model_cluster, model_path, render, validate, write
 from cubeserve.gateway.regions import RegionFront
 from cubeserve.serving.experiment import TENANT_KEY
-from cubeserve.serving.local_triton import free_port
+from cubeserve.server.local_triton import free_port
 from serving_helpers import wait_until
 from test_gateway import (INFER, KEYS, REPO, Stub, call, envoy, gateway_k8s,  # noqa: F401 (fixtures)
                           tenant)
@@ -338,7 +338,7 @@ def test_one_requests_trace_spans_every_hop_and_its_timing_adds_up(tmp_path, mon
     import sys
 
     from cubeserve import tracing
-    from cubeserve.serving.local_triton import DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights
+    from cubeserve.server.local_triton import DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights
     from trace_backend import Jaeger, binary
 
     if binary() is None:

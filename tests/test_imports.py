@@ -58,9 +58,18 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_of_the_package_imports_itself_through_others():
     graph = _graph()
-    assert "cubeserve.serving.repository" in graph and graph["cubeserve.serving.local_triton"]
+    assert "cubeserve.serving.repository" in graph and graph["cubeserve.server.local_triton"]
     assert _circles(graph) == [], "modules importing one another in a circle: move what both need into one of them"
 
 
 def test_a_circle_is_found():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_nothing_inside_tritons_stubs_imports_the_processes_around_it():
+    """cubeserve/serving/ runs in Triton's python stubs; cubeserve/server/ is the supervisor, the
+    front ends and the local server around tritonserver (docs/architecture.md)."""
+    graph = _graph()
+    crossing = {(m, t) for m, targets in graph.items() if m.startswith("cubeserve.serving")
+                for t in targets if t.startswith("cubeserve.server")}
+    assert crossing == set()

@@ -378,7 +378,7 @@ def test_the_admin_key_comes_from_a_secret_and_the_pod_locks_the_admin_apis(over
     by the supervisor, gives tritonserver the restricted-API flags for HTTP and gRPC (with a key
     of the supervisor's own: the admin key is checked by the front ends); both of tritonserver's
     endpoints listen on the loopback, behind the front ends on the pod's ports."""
-    from cubeserve.serving import supervisor
+    from cubeserve.server import supervisor
 
     _, objects = overlay
     runtime = find(objects, "ServingRuntime")
@@ -403,7 +403,7 @@ def test_the_admin_key_comes_from_a_secret_and_the_pod_locks_the_admin_apis(over
 
 
 def test_the_supervisor_refuses_a_tritonserver_reachable_from_outside():
-    from cubeserve.serving.supervisor import locked_command
+    from cubeserve.server.supervisor import locked_command
 
     key = deploy.new_admin_key()
     rest = ["--http-address=127.0.0.1", "--http-port=8010"]
@@ -714,7 +714,7 @@ def test_local_server_and_client_defaults_are_the_deploy_modules():
 
     from cube3d_client import Cube3DClient
     from cube3d_client.cli import build_parser
-    from cubeserve.serving.local_triton import LocalTriton
+    from cubeserve.server.local_triton import LocalTriton
 
     defaults = inspect.signature(LocalTriton).parameters
     assert (defaults["http_port"].default, defaults["grpc_port"].default, defaults["metrics_port"].default) == \

@@ -22,7 +22,7 @@ from cubeserve import storage
 from cubeserve.pipeline import leases
 from cubeserve.pipeline.serving import finish_run
 from cubeserve.registry import CHALLENGER, CHAMPION, embedded_uri, open_registry
-from cubeserve.serving.local_triton import free_port
+from cubeserve.server.local_triton import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "models"

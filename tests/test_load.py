@@ -58,7 +58,7 @@ def test_process_tree_walks_every_level():
 
 
 def test_model_repository_copy_sets_the_engine_parameters(tmp_path):
-    from cubeserve.serving.local_triton import copy_model_repository
+    from cubeserve.server.local_triton import copy_model_repository
 
     repo = copy_model_repository(tmp_path / "models", {"max_objects": 3, "max_queue": 5})
     config = (repo / "cube3d_stream" / "config.pbtxt").read_text()

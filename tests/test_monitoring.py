@@ -302,7 +302,7 @@ def test_a_loaded_version_exports_its_request_series_before_any_request(tmp_path
     import urllib.request
 
     from cubeserve.checkpoint import write_random_weights
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 
     repo = copy_model_repository(tmp_path / "models")
     write_random_weights("tiny", repo / "cube3d_stream" / "1" / "weights", seed=0)

@@ -106,7 +106,7 @@ BUCKET = "models"
 def store(node, tmp_path_factory):
     """An S3 server (rclone serve s3) on the node's address, which pods reach through the bridge,
     holding the demo checkpoint packaged for the CPU as versions 1 and 2 of s3://models/cube3d."""
-    from cubeserve.serving.local_triton import DEMO_MODEL
+    from cubeserve.server.local_triton import DEMO_MODEL
     from cubeserve.serving.repository import build_version_repository
     from kfp_pipelines.local_services import ObjectStore
     import node_stack

@@ -453,7 +453,7 @@ def test_an_unreachable_local_server_fails_the_roll_out_naming_the_url_and_the_c
     from types import SimpleNamespace
 
     from cubeserve import deploy
-    from cubeserve.serving.local_triton import free_port
+    from cubeserve.server.local_triton import free_port
 
     monkeypatch.setenv(deploy.ADMIN_KEY_ENV, deploy.new_admin_key())
     url = f"127.0.0.1:{free_port()}"  # nothing listens there

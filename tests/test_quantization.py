@@ -17,7 +17,7 @@ from cubeserve import numerics
 from cubeserve.engine import Engine, engine as engine_module, fast_paths
 from cubeserve.engine.fast_paths import (Fp8Linear, FusedLinear, GroupMember, Int4Linear, Int8Linear,
                                          WeightOnlyLinear)
-from cubeserve.serving.local_triton import DEMO_MODEL
+from cubeserve.server.local_triton import DEMO_MODEL
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -285,7 +285,7 @@ def test_quantized_and_plain_versions_in_one_server_each_decode_as_packaged(tmp_
     from cube3d_client import Cube3DClient
     from cubeserve.engine.fast_paths import recipe
     from cubeserve.rollout.version_sets import build_version_set
-    from cubeserve.serving.local_triton import LocalTriton, free_port
+    from cubeserve.server.local_triton import LocalTriton, free_port
     from cubeserve.serving.repository import VERSION_SETTINGS, build_version_repository, version_settings
 
     plain = build_version_repository(DEMO_MODEL, 4, tmp_path / "4", "cpu")

@@ -12,7 +12,7 @@ from mlflow.exceptions import MlflowException
 
 from cubeserve.registry import (CHALLENGER, CHAMPION, MAX_TAG_CHARS, MlflowRegistry, Registry,
                                 RegistryError, Version, embedded_uri, open_registry)
-from cubeserve.serving.local_triton import free_port
+from cubeserve.server.local_triton import free_port
 from kfp_pipelines.local_services import MANIFEST, MlflowServer, manifest_container, server_command
 
 SHA_A, SHA_B = "a" * 64, "b" * 64

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from cubeserve.serving.local_triton import LocalTriton, free_port
+from cubeserve.server.local_triton import LocalTriton, free_port
 from cubeserve.serving.stubs import python_stubs
 
 DROPS = 8  # unrequested outputs in every response

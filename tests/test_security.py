@@ -31,9 +31,9 @@ import yaml
 from cube3d_client import Cube3DClient
 from cubeserve import deploy
 from cubeserve.checkpoint import write_random_weights
-from cubeserve.serving.front import Refused, rewrite_body
-from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port, tritonserver_home
-from cubeserve.serving.supervisor import front_limits
+from cubeserve.server.front import Refused, rewrite_body
+from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port, tritonserver_home
+from cubeserve.server.supervisor import front_limits
 from serving_helpers import SLOW_HEAD, SLOW_PREFACE, Attack, wait_until
 from serving_helpers import closed_by_server as _closed_by_server
 from serving_helpers import flood as _flood
@@ -761,7 +761,7 @@ def test_a_refused_gzip_upload_is_not_read_on(bounded):
     """After its 413, a compressed upload's further bytes are dropped unread (no decompression)
     and the connection closes after the linger time (front.Limits.linger_s), where aiohttp read and
     inflated for 10 s; four at once left the readiness probe without an answer."""
-    from cubeserve.serving.front import Limits
+    from cubeserve.server.front import Limits
 
     def cpu_seconds() -> float:  # the supervisor's, where the front end runs
         fields = Path(f"/proc/{bounded.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -810,7 +810,7 @@ def test_a_body_that_stalls_gets_408_and_its_connection_closes(bounded):
 def test_all_bodies_together_are_bounded(tmp_path):
     """front.Limits.body_bytes: a body that would take the bodies being read past it is 503 (the
     front end alone, in this process, with a small bound)."""
-    from cubeserve.serving.front import FrontEnd, Limits
+    from cubeserve.server.front import FrontEnd, Limits
 
     port = free_port()
     front = FrontEnd("127.0.0.1", port, free_port(), deploy.new_admin_key(),
@@ -903,7 +903,7 @@ def test_a_silent_grpc_stream_is_ended_by_the_idle_timeout_and_a_working_one_is_
     import grpc
     import tritonclient.grpc as grpcclient
 
-    from cubeserve.serving.grpc_front import STREAM
+    from cubeserve.server.grpc_front import STREAM
     from cubeserve.serving.stubs import python_stubs
     from serving_helpers import metrics
 

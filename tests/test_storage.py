@@ -19,7 +19,7 @@ import pytest
 
 from cube3d_client import Cube3DClient
 from cubeserve import deploy, storage
-from cubeserve.serving.local_triton import DEMO_MODEL, LocalTriton, free_port, tritonserver_home
+from cubeserve.server.local_triton import DEMO_MODEL, LocalTriton, free_port, tritonserver_home
 from cubeserve.serving.repository import build_version_repository
 from cubeserve.storage import StorageError
 from kfp_pipelines.local_services import ObjectStore

@@ -18,7 +18,7 @@ from cube3d_client import Cube3DClient, ServerError
 from cubeserve.checkpoint import write_random_weights
 from cubeserve.config import TINY
 from cubeserve.engine import Engine, GenerationRequest
-from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, free_port
+from cubeserve.server.local_triton import LocalTriton, copy_model_repository, free_port
 from serving_helpers import metrics
 
 # Version 2 is a slow checkpoint (1024 shape tokens) so that requests are still running while

@@ -31,7 +31,7 @@ from cube3d_client import Cube3DClient
 from cubeserve import deploy
 from cubeserve.serving import metrics as names
 from cubeserve.serving.experiment import MODEL_KEY, TENANT_KEY
-from cubeserve.serving.local_triton import (DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights,
+from cubeserve.server.local_triton import (DEMO_MODEL, LocalTriton, copy_model_repository, ensure_demo_weights,
                                             free_port)
 from prometheus_server import PrometheusServer
 from serving_helpers import wait_until

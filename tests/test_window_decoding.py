@@ -13,7 +13,7 @@ from cubeserve.engine import Engine
 from cubeserve.engine import GenerationRequest as Req
 from cubeserve.engine import window as jacobi
 from cubeserve.engine.scheduler import Scheduler
-from cubeserve.serving.local_triton import DEMO_MODEL
+from cubeserve.server.local_triton import DEMO_MODEL
 
 REQUESTS = [Req("a red chair"), Req("a lamp", top_p=0.9, seed=3), Req("a boat", guidance_scale=1.0),
             Req("", temperature=0.8, seed=9), Req("a mug", guidance_scale=0.0)]
@@ -189,7 +189,7 @@ def test_a_version_packaged_with_a_window_serves_the_sequential_tokens_and_count
     engine (serving/triton_engine.py), the tokens are the sequential ones, and the tokens counter
     counts every token a window step makes, not one a step."""
     from cube3d_client import Cube3DClient
-    from cubeserve.serving.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
+    from cubeserve.server.local_triton import LocalTriton, copy_model_repository, ensure_demo_weights, free_port
     from cubeserve.serving.repository import VERSION_SETTINGS
     from serving_helpers import metrics
 

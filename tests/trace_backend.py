@@ -20,7 +20,7 @@ from pathlib import Path
 
 import go_programs
 from cubeserve.lifetime import ends_with_this_process
-from cubeserve.serving.local_triton import free_port
+from cubeserve.server.local_triton import free_port
 
 
 def binary() -> Path | None:

@@ -1,7 +1,7 @@
 """The gateway's file: who may call (API keys, each a tenant's), how much (a quota in shape
 tokens per interval and a concurrency cap per tenant), which models (entitlements, per-model
 quotas), and where requests go (models, each served by regions of predict-API servers, i.e. the
-servers' REST front ends, serving/front.py).
+servers' REST front ends, server/front.py).
 
     listen: 127.0.0.1:8080         # where clients connect (the loopback by default)
     model: v0.1                    # the served config: an object costs its shape tokens
@@ -36,7 +36,7 @@ mechanisms. Or, opt-in, by measured load:
     routing: load-aware            # default: priority
     # the near region (the lowest priority, alone there; one name for all models) keeps the
     # requests while its servers report a load like the others'; as it grows past theirs,
-    # requests move to the regions with room (ORCA reports, serving/load_report.py)
+    # requests move to the regions with room (ORCA reports, server/load_report.py)
 
 A quota of 51200 shape tokens per hour is 100 objects of v0.1 (512 tokens each) or 50 of v0.5
 (1024 each): a request's cost is its config's number of shape tokens (config.ModelConfig.num_tokens),

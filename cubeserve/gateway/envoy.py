@@ -40,7 +40,7 @@ pays one round trip to it before the spill-over. Regions of equal priority share
 LEAST_REQUEST, which favours the faster servers.
 
 `routing: load-aware` (opt-in; gateway/config.py) chooses the region by measured load instead:
-every answer of a server carries its ORCA load report (serving/load_report.py: generations in
+every answer of a server carries its ORCA load report (server/load_report.py: generations in
 progress / its scaling target), and Envoy 1.40's load_aware_locality (work in progress upstream)
 weighs the regions, all localities of priority 0, by it: the near region (the node's own
 locality: the lowest priority's) takes every request while its utilization is at most
@@ -77,13 +77,13 @@ from cubeserve.deploy import PREDICT_MODEL
 from cubeserve.gateway.config import GatewayConfig, Model, Region
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.experiment import BAND_KEY, MODEL_KEY, TENANT_KEY
-from cubeserve.serving.load_report import GRPC_METADATA as LOAD_REPORT_BIN
-from cubeserve.serving.load_report import HEADER as LOAD_REPORT
+from cubeserve.server.load_report import GRPC_METADATA as LOAD_REPORT_BIN
+from cubeserve.server.load_report import HEADER as LOAD_REPORT
 
 API_KEY_HEADER = "authorization"
 # The admin APIs by deploy.RESTRICTED_APIS category, as path prefixes refused at the edge, and the
 # per-model ones (trace settings, statistics) by MODEL_ADMIN: everything the front end's ADMIN
-# pattern (serving/front.py) opens with the admin key, and more (any name). Not ADMIN itself:
+# pattern (server/front.py) opens with the admin key, and more (any name). Not ADMIN itself:
 # Envoy refuses a regex of its size (RE2 program size 5311 > 100).
 ADMIN_PREFIXES = {
     "shared-memory": ("/v2/systemsharedmemory", "/v2/cudasharedmemory"),
@@ -129,7 +129,7 @@ UPSTREAM_IDLE_S = deploy.HEADER_TIMEOUT_S / 2
 _ALL = {"numerator": 100, "denominator": "HUNDRED"}
 _TYPE = "type.googleapis.com/envoy.extensions."
 # routing: load-aware. Envoy's load_aware_locality (work in progress in 1.40) picks a region by
-# the utilization its servers report (ORCA, serving/load_report.py: requests in progress / the
+# the utilization its servers report (ORCA, server/load_report.py: requests in progress / the
 # scaling target), then LEAST_REQUEST picks a server in it. Measured: docs/gateway/regions-models-traces.md.
 LOAD_AWARE = {
     "weight_update_period": "0.5s",  # region weights recomputed this often (Envoy's least: 0.1 s)

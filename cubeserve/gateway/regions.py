@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 from cubeserve.gateway.envoy import _TYPE, Gateway, _hcm, _socket
-from cubeserve.serving.local_triton import free_port
+from cubeserve.server.local_triton import free_port
 
 REGION_HEADER = "x-cube3d-region"
 

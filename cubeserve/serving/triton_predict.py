@@ -17,7 +17,7 @@ What BLS in Triton 2.51 does not do, a watchdog thread does:
   watchdog sends the engine a control request that cancels the forward by its id;
 - a forward to a dead engine process waits forever: the watchdog checks that the engine's stub
   process is alive and ends every waiting forward with UNAVAILABLE when it is not (the
-  supervisor, serving/supervisor.py, then restarts the server).
+  supervisor, server/supervisor.py, then restarts the server).
 
 While the server drains before it stops (serving/drain.py), new requests are refused at once as
 UNAVAILABLE (HTTP 503) and those already forwarded run to the end.

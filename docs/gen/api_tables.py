@@ -11,7 +11,7 @@ so that the page says what a 400 says:
 * the keys of TIMINGS: the engine's `Timings.as_dict()` with every stage set (as the scheduler
   sets them) through protocol.py's `result_outputs`, an empty mesh included;
 * the request parameters a client may send and those refused, with the messages of
-  `cubeserve/serving/checks.py`'s checks.
+  `cubeserve/server/checks.py`'s checks.
 
 Only the descriptions ("what it does") are written here, one per name: a name the code gains
 without one here fails the rendering. The tables sit in the page between
@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from cubeserve import deploy  # noqa: E402
 from cubeserve.requests import GenerationRequest, InvalidRequest  # noqa: E402
-from cubeserve.serving import checks, protocol  # noqa: E402
+from cubeserve.server import checks  # noqa: E402
+from cubeserve.serving import protocol  # noqa: E402
 
 MODELS = (deploy.PREDICT_MODEL, deploy.STREAM_MODEL)
 

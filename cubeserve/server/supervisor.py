@@ -26,8 +26,8 @@ exit), after it had started, is a fault too: restarted (`restart`, after a pause
 crashes follow each other) or reported by exiting (`exit`). One that fails before its endpoint
 ever answered (a bad model repository, a taken port) is not restarted: a new start fails the same way.
 
-The supervisor also holds the server's public ports: its front ends (serving/front.py for REST,
-serving/grpc_front.py for gRPC) check every request and forward it to tritonserver's own
+The supervisor also holds the server's public ports: its front ends (server/front.py for REST,
+server/grpc_front.py for gRPC) check every request and forward it to tritonserver's own
 endpoints, which must listen on the loopback only (`--http-address=127.0.0.1`,
 `--grpc-address=127.0.0.1`); and it locks Triton's admin APIs (cubeserve.deploy.RESTRICTED_APIS,
 HTTP and gRPC): clients give the key in $CUBE3D_ADMIN_KEY (or a random key nobody holds when that
@@ -35,7 +35,7 @@ is unset, or the key `--admin-key-file` names, written there for the server's li
 front ends check; tritonserver itself is locked with a key of its own, made at each start, so
 that the admin key is on no process's command line (tritonserver's key is: a local user who can
 list processes and reach its loopback ports can use it; docs/security.md). Both front ends count
-the server's generations in progress in one load report (serving/load_report.py), which every
+the server's generations in progress in one load report (server/load_report.py), which every
 answer carries, scaled by the target of the engine's config in the model repository.
 
 The front ends hold bounded resources (front.Limits, grpc_front.GrpcLimits): the supervisor
@@ -53,7 +53,7 @@ stops, idle keep-alive connections too (an ingress controller's or a router's po
 minutes), and would hold the pod, and its GPU, for the whole exit timeout with nothing to do:
 every request on those connections is refused by the drain, so killing it loses nothing.
 
-    python -m cubeserve.serving.supervisor [--on-fault exit|restart|none] --rest-port PORT \
+    python -m cubeserve.server.supervisor [--on-fault exit|restart|none] --rest-port PORT \
         [--rest-address ADDRESS] --grpc-port PORT3 [--grpc-address ADDRESS] -- tritonserver \
         --http-address=127.0.0.1 --http-port=PORT2 --grpc-address=127.0.0.1 --grpc-port=PORT4 ARGS...
 """
@@ -76,9 +76,9 @@ import urllib.request
 from cubeserve import deploy, tracing
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.drain import clear_markers, in_progress, is_draining
-from cubeserve.serving.front import LISTEN_BACKLOG, FrontEnd, Limits
-from cubeserve.serving.grpc_front import GrpcFrontEnd, GrpcLimits
-from cubeserve.serving.load_report import LoadReport
+from cubeserve.server.front import LISTEN_BACKLOG, FrontEnd, Limits
+from cubeserve.server.grpc_front import GrpcFrontEnd, GrpcLimits
+from cubeserve.server.load_report import LoadReport
 from cubeserve.serving.stubs import (kill_leftover_stubs, orphan_regions, remove_regions, shm_regions,
                                      stub_processes)
 

@@ -11,7 +11,7 @@ parses it with Python's json module (which fails cleanly on any depth), checks i
 shape of the v2 request it may be (400 naming the field otherwise), and forwards a document it
 wrote itself: compact JSON of bounded size and depth, `Content-Type: application/json`, and the
 binary tensor extension's header recomputed. Responses come back as Triton wrote them, with the
-server's load report added (the header endpoint-load-metrics: serving/load_report.py).
+server's load report added (the header endpoint-load-metrics: server/load_report.py).
 
 What it lets through, and to whom (the categories of Triton's --http-restricted-api):
 * to everyone: health, server and model metadata, model config, and inference (`infer`,
@@ -25,7 +25,7 @@ Upstream, every request gets a connection of its own (no pool): tritonserver's H
 waits for every open connection before it exits, so idle pooled connections would hold a
 stopping server; on the loopback a connection costs well under a millisecond.
 
-It runs inside cubeserve's supervisor (serving/supervisor.py), on a thread with its own asyncio
+It runs inside cubeserve's supervisor (server/supervisor.py), on a thread with its own asyncio
 loop, for as long as the supervisor does: while tritonserver restarts or shuts down, clients get
 503 "unavailable: ..." instead of a refused connection.
 """
@@ -46,11 +46,12 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from cubeserve import deploy, tracing
 from cubeserve.requests import Shed
-from cubeserve.serving import checks, stubs
-from cubeserve.serving.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
+from cubeserve.server import checks
+from cubeserve.serving import stubs
+from cubeserve.server.checks import (INPUT_PARAMETERS, MAX_ELEMENTS, MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS,
                                       OUTPUT_PARAMETERS, REQUEST_PARAMETERS, Refused)
-from cubeserve.serving.load_report import HEADER as LOAD_HEADER
-from cubeserve.serving.load_report import LoadReport
+from cubeserve.server.load_report import HEADER as LOAD_HEADER
+from cubeserve.server.load_report import LoadReport
 from cubeserve.serving.protocol import DATATYPES as MODEL_DATATYPES
 from cubeserve.serving.protocol import INPUTS as MODEL_INPUTS
 
@@ -70,7 +71,7 @@ ADMIN = re.compile(
 # makes tritonserver hand them to the models), and the response encodings Triton may use.
 FORWARD_HEADER = re.compile(r"(?i)^x-cube3d-(?:user|arm|tenant|model|band)$")
 RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "Inference-Header-Content-Length")
-GENERATIONS = ("infer", "generate")  # the kinds of request the load report counts (serving/load_report.py)
+GENERATIONS = ("infer", "generate")  # the kinds of request the load report counts (server/load_report.py)
 _HEADER_LENGTH = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() takes "١٢"
 LISTEN_BACKLOG = 128
 SHED_RETRY_AFTER_S = 1  # a request the engine's queue shed: about one object's time on a CPU
@@ -219,7 +220,7 @@ def sanitize_infer(doc, binary_size: int) -> dict:
 def sanitize_generate(doc) -> dict:
     """Triton's generate extension: an object of the model's input names to a scalar or a flat
     list, and `parameters`. Triton makes every other top-level key a request parameter, so those
-    are held to the rules of `parameters` (serving/checks.py): only the documented ones pass,
+    are held to the rules of `parameters` (server/checks.py): only the documented ones pass,
     `shared_memory_*` and the rest are refused by name."""
     if not isinstance(doc, dict):
         raise Refused(400, "body: must be a JSON object")
@@ -351,9 +352,9 @@ class _Busy(asyncio.Protocol):
 class FrontEnd(LoopThread):
     """The front end on `host:port`, forwarding to tritonserver's REST endpoint on the loopback
     port `upstream_port`. `admin_key` is the key clients give for the restricted APIs;
-    `upstream_key` the one tritonserver was started with (serving/supervisor.py: a key of its
+    `upstream_key` the one tritonserver was started with (server/supervisor.py: a key of its
     own, so that the admin key is on no command line). `load`: the server's load report, which
-    every answer carries (serving/load_report.py; the supervisor shares one with the gRPC front
+    every answer carries (server/load_report.py; the supervisor shares one with the gRPC front
     end)."""
 
     what = "REST front end"

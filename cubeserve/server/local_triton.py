@@ -163,7 +163,7 @@ class LocalTriton:
     def command(self) -> list[str]:
         grace = [] if self.drained_grace is None else ["--drained-grace", str(self.drained_grace)]
         key_file = [f"--admin-key-file={self.admin_key_file}"] if self.admin_key_file else []
-        return [sys.executable, "-m", "cubeserve.serving.supervisor",
+        return [sys.executable, "-m", "cubeserve.server.supervisor",
                 "--on-fault", self.on_fault if self.supervised else "none",
                 "--fault-grace", str(self.fault_grace), *grace, *key_file, *self.supervisor_args,
                 "--rest-address=127.0.0.1", f"--rest-port={self.http_port}",

@@ -1,12 +1,12 @@
 """The gRPC front end: what clients reach on the gRPC port, in front of tritonserver's own gRPC
 endpoint, which listens on the loopback only (cubeserve.deploy.TRITON_GRPC_PORT).
 
-Why: the REST front end (serving/front.py) keeps hostile bodies away from Triton's HTTP code, but
+Why: the REST front end (server/front.py) keeps hostile bodies away from Triton's HTTP code, but
 gRPC went straight to tritonserver, where one request kills it: an output asking for a
 classification (`class_count`, the parameter `classification`) of a BYTES output divides by
 the element size, 0 (SIGFPE; Triton 2.51, fixed upstream in server#8267), and every request in
 flight is lost. And the models' own parameters (`cube3d_*`, the tenant) must come from our code
-only. So gRPC is checked as REST is, by the same rules (serving/checks.py): each ModelInfer and
+only. So gRPC is checked as REST is, by the same rules (server/checks.py): each ModelInfer and
 each ModelStreamInfer request is parsed, checked (400's gRPC twin INVALID_ARGUMENT naming the
 field; in a stream, an error response for that request and the stream goes on, as Triton does)
 and forwarded as a message written here. Other calls are forwarded as they are, after their
@@ -21,7 +21,7 @@ keepalive pings, and a message's size: deploy.MAX_REQUEST_BYTES, so a model load
 (bigger) goes over REST.
 
 Every call ends with the server's load report in its trailing metadata (endpoint-load-metrics-bin
-and, as text, endpoint-load-metrics: serving/load_report.py), refused ones included; a ModelInfer
+and, as text, endpoint-load-metrics: server/load_report.py), refused ones included; a ModelInfer
 and each request of a stream count as in progress until answered.
 
 It runs in the supervisor on a thread with its own asyncio loop, as the REST front end does.
@@ -49,10 +49,11 @@ from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 
 from cubeserve import deploy, tracing  # noqa: E402
 from cubeserve.requests import Shed  # noqa: E402
-from cubeserve.serving import checks, stubs  # noqa: E402
-from cubeserve.serving.checks import MAX_ELEMENTS, MAX_RANK, MAX_TENSORS, Refused  # noqa: E402
-from cubeserve.serving.front import TRACE_SERVICE, LoopThread  # noqa: E402
-from cubeserve.serving.load_report import LoadReport  # noqa: E402
+from cubeserve.server import checks  # noqa: E402
+from cubeserve.serving import stubs  # noqa: E402
+from cubeserve.server.checks import MAX_ELEMENTS, MAX_RANK, MAX_TENSORS, Refused  # noqa: E402
+from cubeserve.server.front import TRACE_SERVICE, LoopThread  # noqa: E402
+from cubeserve.server.load_report import LoadReport  # noqa: E402
 
 log = logging.getLogger("cubeserve.grpc_front")
 
@@ -103,7 +104,7 @@ def _parameters(entries, where: str, allowed: dict) -> None:
 
 
 def check_infer(request: pb.ModelInferRequest) -> None:
-    """A ModelInferRequest by the rules of serving/checks.py; Refused naming the first bad field."""
+    """A ModelInferRequest by the rules of server/checks.py; Refused naming the first bad field."""
     checks.name(request.model_name, "model_name")
     if request.model_version and not (request.model_version.isascii() and request.model_version.isdigit()
                                       and len(request.model_version) <= 19):
@@ -205,7 +206,7 @@ _FAILED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)  # the server'
 
 class GrpcFrontEnd(LoopThread):
     """The gRPC front end on `host:port`, forwarding to tritonserver's gRPC endpoint on the
-    loopback port `upstream_port`; keys and `load` as serving/front.py's FrontEnd."""
+    loopback port `upstream_port`; keys and `load` as server/front.py's FrontEnd."""
 
     what = "gRPC front end"
 

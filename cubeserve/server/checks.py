@@ -1,5 +1,5 @@
 """What a client may send in an inference request, whichever port it comes through: the rules the
-REST front end (serving/front.py) and the gRPC front end (serving/grpc_front.py) share.
+REST front end (server/front.py) and the gRPC front end (server/grpc_front.py) share.
 
 Why a list of what is allowed rather than of what is not: every parameter of a request reaches
 tritonserver's C++ and then the models, and some of Triton 2.51's paths fail badly on values a
