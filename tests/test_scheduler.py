@@ -230,7 +230,7 @@ def test_a_full_queue_sheds_the_lower_band_and_the_tenant_over_its_share(make_en
     batch = [sched.submit(Req(f"batch {i}", resolution=4), band="batch", tenant="a") for i in range(3)]
     # Full: an interactive newcomer takes the newest batch request's place, which gives way (429).
     urgent = sched.submit(Req("urgent", resolution=4), band="interactive", tenant="b")
-    with pytest.raises(Shed, match=r"^unavailable: shed: .*interactive before batch"):
+    with pytest.raises(Shed, match=r"^unavailable: shed: .*interactive before batch \(its band batch\)"):
         batch[2].result(timeout=5)
     # A batch newcomer to a queue of higher bands is refused as shed, not as "no capacity".
     with pytest.raises(Shed, match="higher band than batch"):

@@ -34,7 +34,7 @@ from cubeserve.engine.engine import Engine, GenerationResult, Timings
 from cubeserve.engine.mesh_worker import MeshWorker
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.threads import release_openmp_workers, set_thread_openmp_threads
-from cubeserve.requests import BANDS, GenerationRequest, Shed, Unavailable, band_rank
+from cubeserve.requests import BANDS, DEFAULT_BAND, GenerationRequest, Shed, Unavailable, band_rank
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Ticket:
     on_progress: Callable[[int], None] | None = None
     client_gone: Callable[[], bool] | None = None  # polled between steps; True cancels
     deadline: float | None = None  # time.perf_counter() after which the result is no use
-    band: int = BANDS.index("standard")  # rank in requests.BANDS, 0 first (engine/admission.py)
+    band: int = BANDS.index(DEFAULT_BAND)  # rank in requests.BANDS, 0 first (engine/admission.py)
     tenant: str = ""  # whose turn it is among the band's waiting requests
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
@@ -263,7 +263,7 @@ class Scheduler:
         if victim is not None:  # outside the lock: its answer goes out from its done callbacks
             self.stats.on_dropped("shed")
             victim.fail(Shed(f"the server is busy and this request gave way in the queue: {why} "
-                             f"(band {BANDS[ticket.band]}); retry later"))
+                             f"(its band {BANDS[victim.band]}); retry later"))
         return ticket
 
     def _resolved(self, future: Future) -> None:
