@@ -150,3 +150,32 @@ def test_the_captured_step_padded_bucketed_and_masked_gives_the_eager_tokens(mak
     step(3 * engine.cfg.num_tokens)
     for slot, expected in enumerate(alone):
         assert torch.equal(done[slot], expected)
+
+
+@pytest.mark.parametrize("runner", ["eager", "bucketed", "window 4"])
+def test_a_paused_slot_stays_where_it_is_and_resumes_to_its_own_tokens(make_engine, runner, run_steps):
+    """A higher band decoding alone (engine/scheduler.py priority_slots): paused slots neither
+    advance nor change, whether computed beside the stepped ones (slot 0 paused under slot 1) or
+    left out of the step (slot 2 above them), and end with the tokens they get unpaused: greedy
+    and seeded sampling, in the one-token step, the padded graph step and window decoding."""
+    engine = make_engine("tiny", "causal")
+    reqs = [Req("a lamp", top_p=0.9, seed=3), Req("a red chair"), Req("a boat", top_p=0.8, seed=5)]
+    alone = [engine.generate_tokens([r])[0] for r in reqs]
+    pool = {"eager": lambda: engine.decode_runner(max_objects=3, window=1),
+            "bucketed": lambda: engine.decode_runner(max_objects=3, graph_buckets=(1, 2), capture=False, window=1),
+            "window 4": lambda: engine.decode_runner(max_objects=3, window=4)}[runner]()
+    done = {}
+    assert pool.admit(reqs) == [0, 1, 2]
+    run_steps(pool, 3, done)
+    before = list(pool.generated), pool.tokens.clone(), pool.x.clone()
+    pool.pause(frozenset({0, 2}))
+    run_steps(pool, 4, done)
+    assert pool.generated[0] == before[0][0] and pool.generated[2] == before[0][2]
+    assert pool.generated[1] > before[0][1]
+    for s in (0, 2):
+        assert torch.equal(pool.tokens[s], before[1][s]) and torch.equal(pool.x[2 * s: 2 * s + 2], before[2][2 * s: 2 * s + 2])
+    pool.pause(frozenset())
+    run_steps(pool, 3 * engine.cfg.num_tokens, done)
+    assert not pool.busy_slots
+    for slot, expected in enumerate(alone):
+        assert torch.equal(done[slot], expected), slot

@@ -278,3 +278,50 @@ def test_an_unknown_band_is_refused_naming_the_allowed_ones(make_engine):
     sched = Scheduler(make_engine("tiny"), max_objects=1)
     with pytest.raises(InvalidRequest, match=r"^band: must be one of interactive, standard, batch, got 'urgent'"):
         sched.submit(Req("x", resolution=4), band="urgent")
+
+
+def test_priority_slots_an_interactive_request_decodes_alone_while_batch_objects_pause(make_engine):
+    """max_objects 3, priority_slots 1: two batch objects decode in the shared slots; an
+    interactive one arriving mid-way takes the kept slot at once, and while it decodes the batch
+    objects do not advance (their progress holds still from its admission to its last token),
+    then they resume; every object gets its sequential tokens."""
+    engine = make_engine("tiny")
+    progress: dict[str, list] = {"batch-0": [], "batch-1": []}
+
+    def watch(name):
+        return lambda generated: progress[name].append((time.perf_counter(), generated))
+
+    reqs = {"batch-0": Req("batch 0", resolution=4, top_p=0.9, seed=1), "batch-1": Req("batch 1", resolution=4),
+            "live": Req("live", resolution=4, top_p=0.9, seed=2)}
+    with Scheduler(engine, max_objects=3, priority_slots=1) as sched:
+        tickets = {name: sched.submit(reqs[name], on_progress=watch(name), band="batch") for name in ("batch-0", "batch-1")}
+        deadline = time.monotonic() + 60
+        while not progress["batch-1"] or progress["batch-1"][-1][1] < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert sched.runner.generated[0] is None  # the kept slot stays free for the top band
+        tickets["live"] = sched.submit(reqs["live"], band="interactive")
+        results = {name: t.result(timeout=120) for name, t in tickets.items()}
+    live = tickets["live"]
+    for name in ("batch-0", "batch-1"):
+        during = {g for t, g in progress[name] if live.admitted < t < live.decoded}
+        assert len(during) <= 1, f"{name} advanced while the interactive object decoded: {sorted(during)}"
+        assert results[name].timings["total_s"] > results["live"].timings["total_s"]
+    for name, r in reqs.items():
+        assert results[name].tokens == engine.generate_tokens([r])[0].tolist(), name
+
+
+def test_priority_slots_are_kept_for_the_top_band(make_engine):
+    """Standard requests never take a kept slot: two of them on max_objects 2 with one slot kept
+    decode one at a time."""
+    with Scheduler(make_engine("tiny"), max_objects=2, priority_slots=1) as sched:
+        tickets = [sched.submit(Req(f"standard {i}", resolution=4)) for i in range(2)]
+        for t in tickets:
+            t.result(timeout=120)
+        assert sched.stats.snapshot()["max_in_flight"] == 1
+
+
+@pytest.mark.parametrize("value", [-1, 2, 1.5, True])
+def test_priority_slots_out_of_range_is_refused_naming_the_range(make_engine, value):
+    with pytest.raises(ValueError, match=r"^priority_slots must be an integer from 0 to max_objects - 1 \(1\), got"):
+        Scheduler(make_engine("tiny"), max_objects=2, priority_slots=value)

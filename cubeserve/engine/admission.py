@@ -57,6 +57,13 @@ class WaitingQueue:
         self._bands[item.band].setdefault(item.tenant, collections.deque()).append(item)
         self._len += 1
 
+    def peek(self) -> Waiting | None:
+        """The request `pop` would return, left waiting."""
+        for tenants in self._bands:
+            if tenants:
+                return next(iter(tenants.values()))[0]
+        return None
+
     def pop(self) -> Waiting | None:
         """The next request to admit: first band first, its tenants in turn."""
         for tenants in self._bands:

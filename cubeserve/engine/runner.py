@@ -102,7 +102,8 @@ class DecodeRunner:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.x = torch.zeros(rows, cfg.gpt.n_embd, dtype=torch.float32, device=device)  # next inputs
         self.tokens = torch.zeros(max_objects, n, dtype=torch.int64, device=device)
-        self.busy = torch.zeros(max_objects, dtype=torch.bool, device=device)
+        self.busy = torch.zeros(max_objects, dtype=torch.bool, device=device)  # stepped: admitted, not paused
+        self.paused: frozenset[int] = frozenset()  # admitted slots the steps leave where they are
         # Window decoding: each slot's guesses for the tokens after its next input.
         self.guesses = torch.zeros(max_objects, window - 1, dtype=torch.int64, device=device)
         self.sampling = SamplingParams.of([GenerationRequest("")] * max_objects, device)
@@ -140,12 +141,16 @@ class DecodeRunner:
         return [s for s, g in enumerate(self.generated) if g is not None]
 
     @torch.no_grad()  # slot state must carry no autograd history: one chain per admission grows forever
-    def admit(self, requests: list[GenerationRequest]) -> list[int]:
-        """Prefill `requests` (already validated) into the lowest free slots; returns the slots."""
+    def admit(self, requests: list[GenerationRequest], slots: list[int] | None = None) -> list[int]:
+        """Prefill `requests` (already validated) into `slots` (free ones; default: the lowest
+        free slots); returns the slots."""
         free = self.free_slots
-        if len(requests) > len(free):
-            raise RuntimeError(f"{len(requests)} requests but only {len(free)} free slots")
-        slots = free[: len(requests)]
+        if slots is None:
+            if len(requests) > len(free):
+                raise RuntimeError(f"{len(requests)} requests but only {len(free)} free slots")
+            slots = free[: len(requests)]
+        elif len(slots) != len(requests) or not set(slots) <= set(free) or len(set(slots)) != len(slots):
+            raise RuntimeError(f"slots {slots} for {len(requests)} requests; free: {free}")
         with self._on_device():
             self._admit(slots, requests)
         return slots
@@ -160,7 +165,7 @@ class DecodeRunner:
             self.positions[2 * s: 2 * s + 2] = 0
             self.x[2 * s: 2 * s + 2] = self._bos
             self.guesses[s] = 0  # any code: the first window accepts its first token alone
-            self.busy[s] = True
+            self.busy[s] = s not in self.paused
             self.generated[s] = 0
             self._samples[s] = not r.greedy
 
@@ -169,6 +174,19 @@ class DecodeRunner:
             self.busy[slot] = False
         self.generated[slot] = None
         self._samples[slot] = False
+
+    def pause(self, slots: frozenset[int]) -> None:
+        """From the next step on, the admitted slots in `slots` are left where they are (their
+        tokens, cache and next input kept) and the others step: a higher priority band decodes
+        alone (engine/scheduler.py). A slot computed beside stepped ones while paused (one below
+        them) rewrites its own next cache entry with the same values and keeps its input."""
+        slots = frozenset(slots)
+        if slots == self.paused:
+            return
+        with self._on_device():
+            for s in slots ^ self.paused:
+                self.busy[s] = self.generated[s] is not None and s not in slots
+        self.paused = slots
 
     # -- one step for every busy slot ------------------------------------------------------------
 
@@ -193,8 +211,11 @@ class DecodeRunner:
         busy = self.busy[:k]
         slot_ids = torch.arange(k, device=ids.device)
         self.tokens[slot_ids, step] = torch.where(busy, ids, self.tokens[slot_ids, step])
-        # Both rows of a slot take the token (views, not repeat_interleave: nothing to size).
-        self.x[:rows] = self.gpt.embed_tokens(ids[:, None].expand(k, 2).reshape(rows))
+        # Both rows of a slot take the token (views, not repeat_interleave: nothing to size); a
+        # paused slot keeps its input.
+        busy_rows = busy[:, None].expand(k, 2).reshape(rows)
+        self.x[:rows] = torch.where(busy_rows[:, None], self.gpt.embed_tokens(ids[:, None].expand(k, 2).reshape(rows)),
+                                    self.x[:rows])
         advance = busy & (step < self.num_tokens - 1)
         self.positions[:rows] += advance[:, None].expand(k, 2).reshape(rows).long()
         return guided
@@ -205,7 +226,7 @@ class DecodeRunner:
             if return_logits:
                 raise ValueError("return_logits needs one token per step: a runner with window 1")
             return self._window_step()
-        busy = self.busy_slots
+        busy = [s for s in self.busy_slots if s not in self.paused]
         if not busy:
             return StepOutput([], None)
         k = busy[-1] + 1
@@ -235,7 +256,7 @@ class DecodeRunner:
 
     def _window_step(self) -> StepOutput:
         n = self.num_tokens
-        active = [s for s in self.busy_slots if self.generated[s] < n]
+        active = [s for s in self.busy_slots if self.generated[s] < n and s not in self.paused]
         if not active:
             return StepOutput([], None)
         k = active[-1] + 1

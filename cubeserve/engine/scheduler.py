@@ -12,14 +12,24 @@ thread's kernels go on a high-priority stream, the geometry thread's on a low-pr
            longer than max_wait_s
            admit waiting requests into free slots (one CLIP + prefill batch), by band and in
            turn between tenants (engine/admission.py)
-           one decode step for every busy slot
-           finished slots -> geometry thread -> ticket resolved
+           one decode step for every busy slot (with priority_slots: of the highest band among them)
+           finished slots -> geometry thread (highest band first) -> ticket resolved
+
+Priority slots (`priority_slots` R > 0): the lowest R slots take only the top band
+(interactive), so one of its requests never waits for a lower band's object to finish; and while
+objects of a higher band decode, those of lower bands pause (their cache and tokens kept: the
+runner leaves them where they are) and no lower band is admitted, so a high band's step costs
+what it costs alone: the reserved slots are the lowest, and a step computes slots 0..k-1. The
+price: R slots idle while no interactive request comes, and lower bands stall for as long as a
+higher band keeps decoding (strict priority, as llm-d's bands between each other).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -162,13 +172,14 @@ class Scheduler:
     def __init__(self, engine: Engine, max_objects: int = 8, stats: EngineStats | None = None,
                  graphs: bool | None = None, graph_buckets: tuple[int, ...] = GRAPH_BUCKETS,
                  max_queue: int | None = None, mesh_process: bool = True,
-                 max_wait_s: float | None = MAX_WAIT_S):
+                 max_wait_s: float | None = MAX_WAIT_S, priority_slots: int = 0):
         """`graphs`: capture the decode step as CUDA graphs at start-up (default: on CUDA).
         `mesh_process`: scikit-image's marching cubes in a child process (`mesh_worker`).
         `max_queue`: requests that may wait beyond the `max_objects` being worked on (for a slot,
         or for their mesh); past it a newcomer takes a place that counts for less, or is refused at
         once (engine/admission.py). Default 8 x max_objects. `max_wait_s`: the longest a request
-        waits for a slot before it is shed (None: until its own deadline)."""
+        waits for a slot before it is shed (None: until its own deadline). `priority_slots`: the
+        lowest slots kept for the top band, and higher bands decoding alone (module docstring)."""
         if max_objects < 1:
             raise ValueError(f"max_objects must be at least 1, got {max_objects}")
         if max_queue is None:
@@ -177,6 +188,10 @@ class Scheduler:
             raise ValueError(f"max_queue must be at least 0, got {max_queue}")
         if max_wait_s is not None and max_wait_s <= 0:
             raise ValueError(f"max_wait_s must be positive, got {max_wait_s}")
+        if isinstance(priority_slots, bool) or not isinstance(priority_slots, int) or not 0 <= priority_slots < max_objects:
+            raise ValueError(f"priority_slots must be an integer from 0 to max_objects - 1 ({max_objects - 1}), "
+                             f"got {priority_slots!r}")
+        self.priority_slots = priority_slots
         self.max_queue = max_queue
         self.max_wait_s = max_wait_s
         self.engine = engine
@@ -189,7 +204,9 @@ class Scheduler:
         self._outstanding = 0  # submitted and not yet resolved: waiting, decoding or in geometry
         self._last_sweep = 0.0
         self._cv = threading.Condition()
-        self._geometry: collections.deque = collections.deque()
+        # (band, order, ticket, tokens): the highest band's finished objects first, else in order
+        self._geometry: list[tuple] = []
+        self._geometry_order = itertools.count()
         self._geometry_cv = threading.Condition()
         self._mesh_worker = MeshWorker() if mesh_process else None  # its process starts on first use
         self._stopping = False
@@ -215,7 +232,7 @@ class Scheduler:
         if self._mesh_worker is not None and not self._geometry_thread.is_alive():
             self._mesh_worker.close()
         with self._geometry_cv:
-            unfinished = list(self._waiting) + list(self._slots.values()) + [t for t, _ in self._geometry]
+            unfinished = list(self._waiting) + list(self._slots.values()) + [job[2] for job in self._geometry]
         for ticket in unfinished:
             ticket.fail(Unavailable("the engine stopped (model unloaded or server shutting down) "
                                     "before this request finished"))
@@ -327,18 +344,29 @@ class Scheduler:
                 self._cv.wait()
         self._sweep_waiting()
         with self._cv:
-            free = len(self.runner.free_slots)
-            batch = []
-            while self._waiting and len(batch) < free:
+            free = self.runner.free_slots
+            kept = [s for s in free if s < self.priority_slots]  # for the top band only
+            shared = [s for s in free if s >= self.priority_slots]
+            # With priority slots, nothing below the highest band decoding is admitted: its
+            # CLIP and prefill would slow that band's steps, and it would only pause.
+            lowest = min((t.band for t in self._slots.values()), default=len(BANDS)) if self.priority_slots else len(BANDS)
+            batch, slots = [], []
+            while (head := self._waiting.peek()) is not None and head.band <= lowest:
+                pool = (kept or shared) if head.band == 0 else shared
+                if not pool:
+                    break
                 ticket = self._waiting.pop()
                 if not self._drop(ticket):
                     batch.append(ticket)
+                    slots.append(pool.pop(0))
+                    if self.priority_slots:
+                        lowest = min(lowest, ticket.band)
             self.stats.on_waiting(len(self._waiting))
         if not batch:
             return
         admitting = time.perf_counter()
         try:
-            slots = self.runner.admit([t.request for t in batch])
+            slots = self.runner.admit([t.request for t in batch], slots)
         except Exception as exc:  # e.g. out of memory in CLIP or prefill: fail these, keep serving
             log.exception("admission failed")
             for t in batch:
@@ -384,6 +412,9 @@ class Scheduler:
             if not self._slots:
                 continue
             in_flight = len(self._slots)
+            if self.priority_slots:
+                top = min(t.band for t in self._slots.values())
+                self.runner.pause(frozenset(s for s, t in self._slots.items() if t.band > top))
             try:
                 out = self.runner.step()
             except Exception as exc:  # fail the objects in flight, keep the loop alive
@@ -409,7 +440,7 @@ class Scheduler:
                 tokens = self.runner.tokens_of(slot)  # on the host: geometry runs on a stream of its own
                 self.runner.release(slot)
                 with self._geometry_cv:
-                    self._geometry.append((ticket, tokens))
+                    heapq.heappush(self._geometry, (ticket.band, next(self._geometry_order), ticket, tokens))
                     self._geometry_cv.notify()
             self.stats.on_in_flight(len(self._slots))
 
@@ -428,7 +459,7 @@ class Scheduler:
                     self._geometry_cv.wait()
                 if not self._geometry:
                     return
-                ticket, tokens = self._geometry.popleft()
+                _, _, ticket, tokens = heapq.heappop(self._geometry)
             if self._drop(ticket):
                 continue
             try:
