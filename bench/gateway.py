@@ -341,6 +341,10 @@ def run_within_region(config: str = "tiny", seconds: float = PHASE_S) -> list[st
 BANDS_MAX_OBJECTS, BANDS_MAX_QUEUE = 4, 8  # the server of --bands: 12 requests in it at most
 BATCH_TENANTS, BATCH_CLIENTS = 3, 6  # --bands' background: 18 clients over the server's 12 places
 LIVE_CLIENTS = 2  # the interactive tenant's: half the slots, more than its turn among 4 tenants
+# The priority-slots arm's server keeps one slot per interactive client (engine/scheduler.py).
+BANDS_PRIORITY_SLOTS = LIVE_CLIENTS
+# --bands' arms: (label, the server keeps priority slots, the tenants have their bands)
+BANDS_ARMS = (("priority slots", True, True), ("bands", False, True), ("all standard", False, False))
 
 
 def _key(tenant: str) -> str:
@@ -381,12 +385,13 @@ def _tenants_at_once(url: str, load: dict[str, int], seconds: float) -> dict[str
 
 
 def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
-    """Priority bands and fairness through the gateway to one real server (max_objects
+    """Priority bands and fairness through the gateway to a real server (max_objects
     BANDS_MAX_OBJECTS, max_queue BANDS_MAX_QUEUE): (1) LIVE_CLIENTS interactive clients alone, then beside
-    BATCH_TENANTS batch tenants of BATCH_CLIENTS clients each, with the bands and, side by side in
-    the same run, with every tenant standard; (2) two standard tenants, one bursting with 16
-    clients beside the other's 4: each one's share of the objects made. Halves in the order
-    banded, unbanded, unbanded, banded."""
+    BATCH_TENANTS batch tenants of BATCH_CLIENTS clients each, side by side in the same run in
+    three arms (BANDS_ARMS): the bands with the server keeping BANDS_PRIORITY_SLOTS priority
+    slots (a second server), the bands alone, and every tenant standard; (2) two standard tenants,
+    one bursting with 16 clients beside the other's 4: each one's share of the objects made. Halves
+    in the arms' order, then back (A B C C B A)."""
     from collections import defaultdict
 
     from bench.front_overhead import _percentile
@@ -403,37 +408,38 @@ def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
     batch_load = {f"nightly-{i}": BATCH_CLIENTS for i in range(BATCH_TENANTS)}
     lines = ["| tenants | phase | tenant (band) | clients | objects/s | p50 / p99 ms | 429 | 503 | other |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    servers, gateways = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        repo = copy_model_repository(Path(tmp) / "models", {"max_objects": str(BANDS_MAX_OBJECTS),
-                                                            "max_queue": str(BANDS_MAX_QUEUE)})
-        write_random_weights(config, repo / STREAM_MODEL / "1" / "weights", seed=0)
-        server = LocalTriton(repo, free_port(), free_port(), free_port(), env=SERVER_ENV).start()
-        gateways = {}
         try:
-            for banded in (True, False):
-                gateways[banded] = _bands_gateway(server.http_url.removeprefix("http://"), banded, tmp,
-                                                  f"gateway-{banded}")
-                gateways[banded].wait_healthy()
-            _phase(server.http_url, 1, requests=5)  # the engine's first requests, in no phase
+            for kept in (False, True):
+                repo = copy_model_repository(Path(tmp) / f"models-{kept}", {
+                    "max_objects": str(BANDS_MAX_OBJECTS), "max_queue": str(BANDS_MAX_QUEUE),
+                    "priority_slots": str(BANDS_PRIORITY_SLOTS if kept else 0)})
+                write_random_weights(config, repo / STREAM_MODEL / "1" / "weights", seed=0)
+                servers[kept] = LocalTriton(repo, free_port(), free_port(), free_port(), env=SERVER_ENV).start()
+                _phase(servers[kept].http_url, 1, requests=5)  # the engine's first requests, in no phase
+            for label, kept, banded in BANDS_ARMS:
+                gateways[label] = _bands_gateway(servers[kept].http_url.removeprefix("http://"), banded, tmp,
+                                                 f"gateway-{label.replace(' ', '-')}")
+                gateways[label].wait_healthy()
             alone, loaded, fair = defaultdict(list), defaultdict(lambda: defaultdict(list)), defaultdict(list)
-            for banded in (True, False, False, True):
-                url = gateways[banded].url
-                alone[banded] += _phase(url, LIVE_CLIENTS, seconds=seconds / 2, key=_key("live"))
+            for label, _, _ in (*BANDS_ARMS, *reversed(BANDS_ARMS)):
+                url = gateways[label].url
+                alone[label] += _phase(url, LIVE_CLIENTS, seconds=seconds / 2, key=_key("live"))
                 for tenant, rows in _tenants_at_once(url, {"live": LIVE_CLIENTS, **batch_load}, seconds / 2).items():
-                    loaded[banded]["live" if tenant == "live" else "nightly"] += rows
+                    loaded[label]["live" if tenant == "live" else "nightly"] += rows
                 time.sleep(2)  # the shed clients' last Retry-After
-            for banded in (True, False):
-                label = "bands" if banded else "all standard"
+            for label, _, banded in BANDS_ARMS:
                 lines.append(f"| {label} | alone | live ({'interactive' if banded else 'standard'}) | "
-                             f"{LIVE_CLIENTS} | {cell(alone[banded])} |")
+                             f"{LIVE_CLIENTS} | {cell(alone[label])} |")
                 lines.append(f"| {label} | beside the batch load | live ({'interactive' if banded else 'standard'}) "
-                             f"| {LIVE_CLIENTS} | {cell(loaded[banded]['live'])} |")
+                             f"| {LIVE_CLIENTS} | {cell(loaded[label]['live'])} |")
                 lines.append(f"| {label} | beside the batch load | nightly-0..{BATCH_TENANTS - 1} "
                              f"({'batch' if banded else 'standard'}) | {BATCH_TENANTS * BATCH_CLIENTS} | "
-                             f"{cell(loaded[banded]['nightly'])} |")
+                             f"{cell(loaded[label]['nightly'])} |")
                 print("\n".join(lines[-3:]), flush=True)
             for _ in range(2):
-                for tenant, rows in _tenants_at_once(gateways[True].url, {"team-a": 16, "team-b": 4},
+                for tenant, rows in _tenants_at_once(gateways["bands"].url, {"team-a": 16, "team-b": 4},
                                                      seconds / 2).items():
                     fair[tenant] += rows
             made = {t: sum(1 for r in rows if r[0] == 200) for t, rows in fair.items()}
@@ -442,16 +448,22 @@ def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
                              f"|")
             print("\n".join(lines[-2:]), flush=True)
         finally:
-            for thing in (*gateways.values(), server):
+            for thing in (*gateways.values(), *servers.values()):
                 thing.stop()
     share = made["team-a"] / max(1, sum(made.values()))
+    ratio = {label: _percentile([r[2] for r in loaded[label]["live"] if r[0] == 200] or [float("nan")], 0.99)
+             / _percentile([r[2] for r in alone[label] if r[0] == 200] or [float("nan")], 0.99)
+             for label, _, _ in BANDS_ARMS}
     return lines + [
+        "", "The live tenant's p99 beside the batch load over its p99 alone: "
+            + ", ".join(f"{label} {ratio[label]:.2f}x" for label, _, _ in BANDS_ARMS) + " (the issue's bar: 1.5x).",
         "", f"One tenant bursting: team-a made {share:.0%} of the objects, team-b {1 - share:.0%} "
             f"(equal: 50 %; by clients, 16 of 20, first come first served would give team-a about 80 %).",
         "", f"Generations of the {config} model at resolution 4 (random weights) through the gateway (Envoy 1.40.0) "
-            f"to one real server (max_objects {BANDS_MAX_OBJECTS}, max_queue {BANDS_MAX_QUEUE}: 12 requests in it at "
-            f"most); each tenant's clients in a closed loop, a 429 followed by its Retry-After; "
-            f"{seconds / 2:g} s halves, banded and all-standard gateways alternated (A B B A) on the same server; "
+            f"to a real server (max_objects {BANDS_MAX_OBJECTS}, max_queue {BANDS_MAX_QUEUE}: 12 requests in it at "
+            f"most; the priority-slots arm's server keeps {BANDS_PRIORITY_SLOTS} slots for the interactive band, the "
+            f"other arms share one server without); each tenant's clients in a closed loop, a 429 followed by its "
+            f"Retry-After; {seconds / 2:g} s halves, the arms alternated (A B C C B A); "
             "the two-tenant phase through the banded gateway, twice. objects/s: answers 200 a second; 429: shed by "
             "the server's queue (engine/admission.py); 503: no capacity (a queue full of equals), after the gateway's "
             "retry; the engine on one thread (SERVER_ENV), all on the same 2 cores."]
