@@ -21,6 +21,8 @@ def check(figures: dict) -> None:
         assert counts["completed"] > 0, f"{transport} was not used"
     # the tree was walked: tritonserver and the stubs of both models
     assert figures["server_processes"] >= 3 and figures["rss_mb"]["start"] > 0
+    # which process grew can be told: tritonserver and each model's stub by name
+    assert {"tritonserver", "stub cube3d", "stub cube3d_stream"} <= set(figures["rss_mb"]["by_process"])
 
 
 def test_short_load_over_every_transport_loses_nothing(tmp_path, monkeypatch):
@@ -50,8 +52,9 @@ def test_process_tree_walks_every_level():
 
         tree = process_tree(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree and grandchild in tree
-        mb, processes = load.tree_rss_mb(os.getpid())
-        assert processes >= 3 and mb > load.tree_rss_mb(grandchild)[0] > 0
+        by_process = load.tree_rss_mb(os.getpid())
+        assert len(by_process) >= 3 and {"sh", "sleep"} <= set(by_process)  # each process by its role
+        assert sum(by_process.values()) > sum(load.tree_rss_mb(grandchild).values()) > 0
     finally:
         os.kill(grandchild, signal.SIGTERM)
         child.wait(10)

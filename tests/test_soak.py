@@ -3,8 +3,10 @@ through the real server, as KServe's clients send it, for SOAK_S seconds (defaul
 half over REST and half over gRPC, every request to the predict model `cube3d`, which forwards it
 to the engine's model over BLS. Every answer is checked against the in-process tokens; the run
 fails on a lost or wrong answer, on the server's end (a python backend stub that dies ends it:
-bench/load.py runs the supervisor as a container does) and, through the suite's stub-crash count,
-on any stub crash in the kernel log.
+bench/load.py runs the supervisor as a container does), on memory that keeps growing (more than
+32 MiB over the run's second half, or 128 MiB over the run: bench/load.py `failures`, which names
+the process that grew most) and, through the suite's stub-crash count, on any stub crash in the
+kernel log.
 
 Why this long: the engine's stub segfaulted under exactly this traffic (issue 56: python_backend
 r24.10 freed a Python object without the GIL on every forward; triton_common.only_requested), first
