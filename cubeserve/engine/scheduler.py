@@ -347,11 +347,12 @@ class Scheduler:
             free = self.runner.free_slots
             kept = [s for s in free if s < self.priority_slots]  # for the top band only
             shared = [s for s in free if s >= self.priority_slots]
-            # With priority slots, nothing below the highest band decoding is admitted: its
-            # CLIP and prefill would slow that band's steps, and it would only pause.
-            lowest = min((t.band for t in self._slots.values()), default=len(BANDS)) if self.priority_slots else len(BANDS)
+            # With priority slots, nothing below the highest band decoding (rank `top`, 0 the
+            # first) is admitted: its CLIP and prefill would slow that band's steps, and it
+            # would only pause.
+            top = min((t.band for t in self._slots.values()), default=len(BANDS)) if self.priority_slots else len(BANDS)
             batch, slots = [], []
-            while (head := self._waiting.peek()) is not None and head.band <= lowest:
+            while (head := self._waiting.peek()) is not None and head.band <= top:
                 pool = (kept or shared) if head.band == 0 else shared
                 if not pool:
                     break
@@ -360,7 +361,7 @@ class Scheduler:
                     batch.append(ticket)
                     slots.append(pool.pop(0))
                     if self.priority_slots:
-                        lowest = min(lowest, ticket.band)
+                        top = min(top, ticket.band)
             self.stats.on_waiting(len(self._waiting))
         if not batch:
             return
