@@ -16,9 +16,9 @@ request to `cube3d_stream` over BLS, as KServe's predict clients do (tests/test_
 
 Exits non-zero when a request was lost or wrong, or when the server's memory leaks: it grew more
 than half the bound over the run's second half (a leak grows with every request; what the
-allocators and caches settle into as the mix of batch sizes and lengths comes round levels off:
-over the first few thousand requests in CI's soak on an Intel Xeon with AMX, then flat), or more
-than twice the bound over the whole run.
+allocators and caches settle into as the mix of batch sizes and lengths comes round levels off
+within the first few thousand requests: BENCHMARKS.md, "Load and soak"), or more than twice the
+bound over the whole run.
 """
 
 from __future__ import annotations

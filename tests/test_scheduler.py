@@ -321,7 +321,7 @@ def test_priority_slots_are_kept_for_the_top_band(make_engine):
         assert sched.stats.snapshot()["max_in_flight"] == 1
 
 
-@pytest.mark.parametrize("value", [-1, 2, 1.5, True])
+@pytest.mark.parametrize("value", [-1, 2, 1.5, True, "1x"])  # "1x": config.pbtxt text that is no integer
 def test_priority_slots_out_of_range_is_refused_naming_the_range(make_engine, value):
     with pytest.raises(ValueError, match=r"^priority_slots must be an integer from 0 to max_objects - 1 \(1\), got"):
         Scheduler(make_engine("tiny"), max_objects=2, priority_slots=value)

@@ -280,8 +280,8 @@ class EngineModel:
     max_queue (requests that may wait beyond those in flight; more are refused as busy or shed;
     default 8 x max_objects), max_wait_s (the longest a request waits for a slot before it is
     shed; default scheduler.MAX_WAIT_S), priority_slots (slots kept for the interactive band, which
-    then decodes while lower bands pause: engine/scheduler.py; default 0), single_block (reference | causal), cuda_graphs (auto | true |
-    false; auto = on CUDA).
+    then decodes while lower bands pause: engine/scheduler.py; default 0), single_block
+    (reference | causal), cuda_graphs (auto | true | false; auto = on CUDA).
     """
 
     def initialize(self, args):
@@ -312,15 +312,14 @@ class EngineModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         graphs = {"": None, "auto": None, "true": True, "false": False}[params.get("cuda_graphs", "").lower()]
         max_queue, max_wait_s = params.get("max_queue"), params.get("max_wait_s")
-        priority_slots = params.get("priority_slots") or "0"
-        if not priority_slots.isdigit():
-            raise ValueError(f"priority_slots: must be an integer from 0 to max_objects - 1, got {priority_slots!r}")
+        priority_slots = params.get("priority_slots") or "0"  # the Scheduler names the range
         self.stats = TritonStats(labels)
         self.scheduler = Scheduler(engine, max_objects=int(params.get("max_objects") or 8),
                                    stats=self.stats, graphs=graphs,
                                    max_queue=int(max_queue) if max_queue else None,
                                    max_wait_s=float(max_wait_s) if max_wait_s else MAX_WAIT_S,
-                                   priority_slots=int(priority_slots)).start()
+                                   priority_slots=int(priority_slots) if priority_slots.isdigit()
+                                   else priority_slots).start()
         self.measurements = Measurements(args["model_name"])
         self.drain = Drain(args)
         self.forwarded: dict[str, object] = {}  # request id -> Ticket, for the predict model's cancels
