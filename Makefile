@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= a round table
 CHECKPOINT ?=
 
-.PHONY: install install-demo test test-quick serve gateway demo demo-model bench bench-batch load k8s image image-test pipeline pipelines clean docs
+.PHONY: install install-demo test serve gateway demo demo-model bench bench-batch load k8s image image-test pipeline pipelines clean docs
 
 # Two steps, each with its stamp: what the server and the demo need (install-demo), then what the
 # tests and the other targets need (install). A .venv from `make demo` gets only the rest at its
@@ -38,14 +38,11 @@ install-demo: $(VENV)/.installed-demo
 install: $(VENV)/.installed-test
 
 # Two workers (pytest-xdist), a test file each at a time: much of the suite waits on servers,
-# builds and downloads. The cluster tests are `make cluster-test`.
+# builds and downloads. The image build is `make image-test`, the cluster tests `make cluster-test`
+# (each marker left out here has its target, which .ci/run runs: tests/test_ci_targets.py).
 TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not cluster and not gateway_e2e and not scale and not soak and not node and not autoscaling" --durations=30  # the slowest 30, to keep the suite within its time
-
-# The inner loop: everything but the image build (tests/test_image.py, marker `image`).
-test-quick: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak and not node and not autoscaling"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not image and not cluster and not gateway_e2e and not scale and not soak and not node and not autoscaling" --durations=30  # the slowest 30, to keep the suite within its time
 
 # The local Triton server on 127.0.0.1 (REST 8000, gRPC 8001, metrics 8002) with triton_models/;
 # the demo model is copied into the version directories on first use. Other ports:
@@ -131,7 +128,7 @@ image:
 # of Triton's, run every pipeline step's imports in the result, and check the image's Python's
 # dependency resolution: tests/test_image.py (installs podman and debootstrap when missing).
 image-test: install
-	$(PY) -m pytest -q tests/test_image.py
+	$(PY) -m pytest -q -m image tests/test_image.py
 
 clean:
 	rm -rf outputs triton_models/*/[0-9]*/weights

@@ -20,6 +20,7 @@ build = go_programs.build
 # The pytest markers `make test` leaves out -> the make target that runs them and what their
 # fixtures check is built (the same functions the fixtures call).
 END_TO_END = {
+    "image": ("image-test", lambda: []),
     "cluster": ("cluster-test", lambda: [c for r in build.kserve_releases() for c in go_programs.cluster_needs(r)]),
     "gateway_e2e": ("gateway-e2e-test", go_programs.traces_need),
     "scale": ("scale-test", lambda: []),

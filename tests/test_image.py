@@ -18,8 +18,8 @@
 
 The build needs root, podman and debootstrap (installed with apt-get when missing; .ci/run
 installs them); the base is made once (about 2 minutes) and kept as a podman image, the image is
-built once per session (about 4 minutes on 2 cores) and removed after it. For a quick run without
-them: `pytest --ignore=tests/test_image.py` (the project has no pytest markers).
+built once per session (about 4 minutes on 2 cores) and removed after it. `make image-test` runs
+this module (marker `image`); `make test` leaves it out.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest
 import image_build as ib
 from cubeserve import deploy
 
-# minutes: `make test-quick` leaves this module out; the build (the first test's set-up) may take
+# minutes: `make image-test` runs this module (`make test` leaves it out); the build (the first test's set-up) may take
 # longer than the suite's 900 s per test while another worker runs beside it
 pytestmark = [pytest.mark.image, pytest.mark.timeout(1800)]
 
