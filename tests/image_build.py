@@ -55,6 +55,29 @@ INSTALL = ("apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
            "apt-get install -y -qq podman debootstrap")
 # Flags of every build here: no registry is reachable (the base is local), no OCI runtime.
 BUILD_FLAGS = ["--isolation=chroot", "--pull=never", "--layers=false"]
+# podman re-executes itself from a sealed memfd copy of its binary (containers/storage's
+# unshare.c); the kernel can refuse the seal with EBUSY while pages of the copy are still pinned,
+# and the build's RUN step fails with this line (once in a cold run of .ci/run, the same build
+# fine the next time). A build failing so is run once more (podman_build).
+TRANSIENT_BUILD_ERROR = "sealing memfd copy"
+
+
+def podman_build(args: list[str], **kw) -> subprocess.CompletedProcess:
+    """`podman build ARGS` (subprocess.run's keywords), run again once if it failed on
+    TRANSIENT_BUILD_ERROR (its output captured, or written to the file given as stdout)."""
+    for attempt in (1, 2):
+        if "stdout" in kw and hasattr(kw["stdout"], "seek"):
+            kw["stdout"].seek(0)
+            kw["stdout"].truncate()
+        result = subprocess.run(["podman", "build", *args], **kw)
+        if result.returncode == 0 or attempt == 2:
+            return result
+        output = (result.stdout or "") + (result.stderr or "") if kw.get("capture_output") else \
+            Path(kw["stdout"].name).read_text(errors="replace") if "stdout" in kw else ""
+        if TRANSIENT_BUILD_ERROR not in output:
+            return result
+        print(f"podman build failed on {TRANSIENT_BUILD_ERROR!r} (the kernel's EBUSY): building again", flush=True)
+    raise AssertionError("unreachable")
 
 
 # -- tools --------------------------------------------------------------------------------------------
@@ -202,8 +225,8 @@ def ensure_triton_base(workdir: Path) -> str:
     conf, mounts = pip_conf_and_mounts(host_pip_config())
     (workdir / "pip.conf").write_text(conf)
     volumes = [f"--volume={workdir / 'pip.conf'}:/etc/pip.conf:ro", *(f"--volume={p}:{p}:ro" for p in mounts)]
-    out = subprocess.run(["podman", "build", *BUILD_FLAGS, *volumes, "-f", str(workdir / "Containerfile"),
-                          "-t", TRITON_BASE_TAG, str(workdir)], capture_output=True, text=True, timeout=1800)
+    out = podman_build([*BUILD_FLAGS, *volumes, "-f", str(workdir / "Containerfile"), "-t", TRITON_BASE_TAG,
+                        str(workdir)], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, f"the Triton base did not build:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
     return TRITON_BASE_TAG
 
@@ -292,17 +315,17 @@ def build_image(tag: str, base: str, workdir: Path, log: Path, context: Path = R
     volumes = [f"--volume={workdir / 'pip.conf'}:/etc/pip.conf:ro"]
     volumes += [f"--volume={p}:{p}:ro" for p in mounts]
     with log.open("w") as f:
-        return subprocess.run(["podman", "build", *BUILD_FLAGS, "--from", base, "-f",
-                               str(context / DOCKERFILE.relative_to(REPO)), "-t", tag, *volumes, str(context)], stdout=f, stderr=subprocess.STDOUT, text=True,
-                              timeout=2400)
+        return podman_build([*BUILD_FLAGS, "--from", base, "-f", str(context / DOCKERFILE.relative_to(REPO)),
+                             "-t", tag, *volumes, str(context)], stdout=f, stderr=subprocess.STDOUT, text=True,
+                            timeout=2400)
 
 
 def build_probe(image: str, containerfile: str, workdir: Path, tag: str) -> subprocess.CompletedProcess:
     """A second image FROM `image` whose RUN lines check it; their output is in stdout."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "Containerfile").write_text(containerfile.replace("{image}", image))
-    return subprocess.run(["podman", "build", *BUILD_FLAGS, "-f", str(workdir / "Containerfile"), "-t", tag,
-                           str(workdir)], capture_output=True, text=True, timeout=900)
+    return podman_build([*BUILD_FLAGS, "-f", str(workdir / "Containerfile"), "-t", tag, str(workdir)],
+                        capture_output=True, text=True, timeout=900)
 
 
 def dockerignore_patterns(path: Path = IGNORE_FILE) -> list[str]:

@@ -52,7 +52,10 @@ def binary(component: str, command: str) -> str:
 
 
 def run(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kw)
+    if args[:2] == ("podman", "build"):
+        result = ib.podman_build(list(args[2:]), capture_output=True, text=True, timeout=timeout, **kw)
+    else:
+        result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kw)
     if result.returncode:
         raise cs.StackError(f"{' '.join(args[:4])} failed ({result.returncode}): {result.stderr}{result.stdout}")
     return result
