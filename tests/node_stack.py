@@ -53,6 +53,8 @@ def binary(component: str, command: str) -> str:
 
 def run(*args: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     if args[:2] == ("podman", "build"):
+        import image_build as ib
+
         result = ib.podman_build(list(args[2:]), capture_output=True, text=True, timeout=timeout, **kw)
     else:
         result = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kw)
