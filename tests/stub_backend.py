@@ -10,10 +10,13 @@ the real one (tests/test_gateway.py).
 
 With `--load-target N` every answer carries the server's load report as the real front ends
 write it (cubeserve/server/load_report.py, imported from the project only then): POSTs in
-progress / N, for the gateway's load-aware routing (tests/test_gateway_load.py).
+progress / N, for the gateway's load-aware routing (tests/test_gateway_load.py). With `--slots
+N` it works on N POSTs at a time, as the engine decodes max_objects at once: the rest wait their
+turn (and are reported as its queue), so that a load there makes its answers slower, as a real
+server's; without, every POST takes `--delay` however many there are.
 
     python tests/stub_backend.py --port P --log FILE [--delay S] [--name NAME] [--max-in-flight N]
-                                 [--load-target N]
+                                 [--load-target N] [--slots N]
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ def main() -> None:
                    help="answer 503 at once while this many POSTs are in progress (a full server); 0: no limit")
     p.add_argument("--load-target", type=float, default=0.0,
                    help="report the load (ORCA) in every answer, POSTs in progress / this; 0: no report")
+    p.add_argument("--slots", type=int, default=0, help="POSTs worked on at once, the rest wait; 0: no limit")
     args = p.parse_args()
     load = None
     if args.load_target:
         from cubeserve.server.load_report import HEADER, LoadReport
 
-        load = LoadReport(args.load_target)
+        load = LoadReport(args.load_target, args.slots or None)
+    slots = threading.Semaphore(args.slots) if args.slots else None
     lock = threading.Lock()
     in_flight = [0]
     log = open(args.log, "a", buffering=1)
@@ -70,21 +75,24 @@ def main() -> None:
             with lock:
                 full = args.max_in_flight and in_flight[0] >= args.max_in_flight
                 in_flight[0] += not full
-            if load is not None:
-                load.started()  # as the front end counts what it forwards
+            started = load.started() if load is not None else None  # as the front end counts what it forwards
             try:
                 if full:  # as the real server's busy answer: 503, nothing recorded
                     return self._reply(503, json.dumps({"error": "unavailable: busy", "backend": args.name}).encode())
                 try:
                     self._record()
-                    time.sleep(args.delay)
+                    if slots is not None:
+                        with slots:
+                            time.sleep(args.delay)
+                    else:
+                        time.sleep(args.delay)
                     self._reply(200, json.dumps({"backend": args.name}).encode())
                 finally:
                     with lock:
                         in_flight[0] -= 1
             finally:
                 if load is not None:
-                    load.finished(failed=bool(full))
+                    load.finished(failed=bool(full), started=started)
 
         def _record(self) -> None:
             line = json.dumps({"backend": args.name, "method": self.command, "path": self.path,

@@ -59,11 +59,13 @@ def envoy():
 
 class Stub:
     """tests/stub_backend.py on a free port, stopped (or killed) by its PID; with `load_target`,
-    reporting its load as the real front ends do (tests/test_gateway_load.py)."""
+    reporting its load as the real front ends do (tests/test_gateway_load.py); with `slots`,
+    working on that many requests at once (the rest wait, slower, as at a real server)."""
 
-    def __init__(self, tmp_path: Path, name: str, delay: float = 0.0, max_in_flight: int = 0, load_target: float = 0):
+    def __init__(self, tmp_path: Path, name: str, delay: float = 0.0, max_in_flight: int = 0, load_target: float = 0,
+                 slots: int = 0):
         self.name, self.port, self.delay, self.max_in_flight = name, free_port(), delay, max_in_flight
-        self.load_target = load_target
+        self.load_target, self.slots = load_target, slots
         self.log = tmp_path / f"{name}.jsonl"
         self.log.touch()
         self.start()
@@ -73,7 +75,8 @@ class Stub:
         self.process = subprocess.Popen([sys.executable, str(STUB), "--port", str(self.port), "--log", str(self.log),
                                          "--delay", str(self.delay), "--name", self.name,
                                          "--max-in-flight", str(self.max_in_flight),
-                                         "--load-target", str(self.load_target)], stdin=subprocess.DEVNULL)
+                                         "--load-target", str(self.load_target), "--slots", str(self.slots)],
+                                        stdin=subprocess.DEVNULL)
         wait_until(self._up, 20, f"stub backend {self.name} listening")
 
     def _up(self) -> bool:

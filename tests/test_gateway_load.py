@@ -31,7 +31,8 @@ from tritonclient.grpc import service_pb2 as pb
 
 from cubeserve import deploy
 from cubeserve.gateway import config as gateway_config
-from cubeserve.gateway.envoy import model_cluster, render
+from cubeserve.gateway import weights
+from cubeserve.gateway.envoy import model_cluster, model_clusters, render, via_cluster, weights_key
 from cubeserve.server import load_report
 from cubeserve.server.front import FrontEnd
 from cubeserve.server.grpc_front import INFER, STREAM, GrpcFrontEnd
@@ -313,24 +314,39 @@ def test_the_report_takes_the_servers_target_and_max_objects_from_its_repository
 
 # -- the gateway: routing by the reports ----------------------------------------------------------------
 
-def test_load_aware_routing_renders_regions_as_localities_of_one_priority():
-    """routing load-aware: both regions localities of priority 0, weighed by load_aware_locality
-    (the near one the node's own locality), the far one again at priority 1 for the retries
-    (previous_priorities), no panic routing to dead servers; the clients never see the reports.
-    A wrong value names the field and the allowed ones; the default stays priority."""
+def test_load_aware_routing_renders_a_cluster_per_region_drawn_by_runtime_weights():
+    """routing load-aware: a cluster per region that starts there (that region at priority 0, the
+    others after it by their priorities, so a 503 or a dead region still spills over), the model's
+    route drawing them by weights the runtime can change (the near region's cluster all but the
+    probe share at first), an admin runtime layer for the weigher; the clients never see the
+    reports. A wrong value names the field and the allowed ones; the default stays priority."""
     doc = {"regions": [{"name": "onprem", "priority": 0, "backends": ["127.0.0.1:1"]},
-                       {"name": "cloud", "priority": 3, "backends": ["127.0.0.1:2"]}],
+                       {"name": "cloud", "priority": 3, "backends": ["127.0.0.1:2"]},
+                       {"name": "backup", "priority": 5, "backends": ["127.0.0.1:3"]}],
            "tenants": [tenant("team-a")]}
     assert gateway_config.parse(doc).routing == "priority"
     cfg = gateway_config.parse({**doc, "routing": "load-aware"})
+    model = cfg.models[0]
     rendered = render(cfg)
-    assert rendered["node"]["locality"] == {"region": "onprem"}
-    [cluster] = [c for c in rendered["static_resources"]["clusters"] if c["name"] == model_cluster(cfg.models[0])]
-    endpoints = cluster["load_assignment"]["endpoints"]
-    assert [(e["locality"]["region"], e["priority"]) for e in endpoints] == [("onprem", 0), ("cloud", 0), ("cloud", 1)]
-    [policy] = cluster["load_balancing_policy"]["policies"]
-    assert policy["typed_extension_config"]["name"] == "envoy.load_balancing_policies.load_aware_locality"
-    assert cluster["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
+    clusters = {c["name"]: c for c in rendered["static_resources"]["clusters"]}
+    assert model_cluster(model) not in clusters
+    layouts = {name: [(e["priority"], e["locality"]["region"]) for e in clusters[name]["load_assignment"]["endpoints"]]
+               for name in model_clusters(cfg, model)}
+    assert layouts == {
+        via_cluster(model, model.regions[0]): [(0, "onprem"), (1, "cloud"), (2, "backup")],
+        via_cluster(model, model.regions[1]): [(0, "cloud"), (1, "onprem"), (2, "backup")],
+        via_cluster(model, model.regions[2]): [(0, "backup"), (1, "onprem"), (2, "cloud")]}
+    [inner] = [listener for listener in rendered["static_resources"]["listeners"] if listener["name"] == "backends"]
+    routes = inner["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    drawn = [r["route"]["weighted_clusters"] for r in routes if "weighted_clusters" in r.get("route", {})]
+    assert len(drawn) == 2  # the model's paths, and everything else (health, metadata) to the default model
+    probe = round(weights.PROBE_SHARE / 2 * weights.TOTAL_WEIGHT)
+    assert drawn[0] == {"runtime_key_prefix": weights_key(model), "clusters": [
+        {"name": via_cluster(model, model.regions[0]), "weight": weights.TOTAL_WEIGHT - 2 * probe},
+        {"name": via_cluster(model, model.regions[1]), "weight": probe},
+        {"name": via_cluster(model, model.regions[2]), "weight": probe}]}
+    assert {"name": "weigher", "admin_layer": {}} in rendered["layered_runtime"]["layers"]
+    assert "layered_runtime" not in render(gateway_config.parse(doc))
     [edge] = [listener for listener in rendered["static_resources"]["listeners"] if listener["name"] == "edge"]
     removed = edge["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["response_headers_to_remove"]
     assert {load_report.HEADER, load_report.GRPC_METADATA} <= set(removed)
@@ -340,6 +356,70 @@ def test_load_aware_routing_renders_regions_as_localities_of_one_priority():
     with pytest.raises(gateway_config.GatewayConfigError, match="load-aware needs one near region per model"):
         gateway_config.parse({**doc, "routing": "load-aware",
                               "regions": [{**r, "priority": 0} for r in doc["regions"]]})
+
+
+def test_the_weigher_moves_to_the_region_promising_less_latency_and_not_for_a_near_equal():
+    """gateway/weights.py without Envoy or servers, on its own clock: a region's expected latency
+    is its round trip (the least of the recent polls), its recent generation time and the wait its
+    queue predicts; an idle server's
+    old time is replaced by the best one reported; the choice starts near, moves only to a region
+    SWITCH_MARGIN faster and not within HOLD_S of the last move; a region that does not answer
+    (DOWN_AFTER polls in a row) is never chosen; the chosen region gets all but PROBE_SHARE."""
+    def server(rtt, seconds=None, utilization=1.0, queue=0.0, rps=0.0):
+        s = weights.Server(("127.0.0.1", 1))
+        report = {"application_utilization": utilization, "named_metrics.queue": queue, "rps_fractional": rps}
+        if seconds is not None:
+            report["named_metrics.seconds"] = seconds
+        s.observe(rtt, report)
+        return s
+
+    assert weights.parse_report("TEXT application_utilization=0.5,named_metrics.seconds=1.25") == {
+        "application_utilization": 0.5, "named_metrics.seconds": 1.25}
+    assert weights.parse_report("{}") == weights.parse_report(None) == {}
+    assert server(0.04, 0.5).expected_s(None) == pytest.approx(0.54)
+    assert server(0.04, 0.5, queue=2, rps=4).expected_s(None) == pytest.approx(0.04 + 0.5 + 0.5)
+    assert server(0.04, 0.5, queue=2).expected_s(None) == pytest.approx(0.04 + 0.5 + 2 * 0.5)  # no rate yet
+    assert server(0.002, 3.0, utilization=0).expected_s(0.5) == pytest.approx(0.502)  # idle: the best time
+    assert server(0.002, 3.0).expected_s(0.5) == pytest.approx(3.002)  # busy: its own
+    assert server(0.002).expected_s(None) is None  # nothing known yet
+    slowed = server(0.04, 0.5)
+    slowed.observe(0.3, slowed.report)  # a busy server answers the poll late: counted in its report only
+    assert slowed.expected_s(None) == pytest.approx(0.54)
+    dead = weights.Server(("127.0.0.1", 1))
+    dead.observe(None, {})
+    assert dead.expected_s(0.5) is None
+    flaky = server(0.04, 0.5)
+    flaky.observe(None, {})  # one poll lost: still up, as it was
+    assert flaky.expected_s(None) == pytest.approx(0.54)
+    flaky.observe(None, {})
+    assert flaky.expected_s(None) is None  # DOWN_AFTER in a row
+    flaky.observe(0.05, {})  # answered again, without a report (a region's ingress refused the poll)
+    assert flaky.expected_s(None) == pytest.approx(0.54)
+
+    now = [0.0]
+    choice = weights.Choice(["near", "far", "backup"], "near", clock=lambda: now[0])
+    probes = weights.PROBE_SHARE / 2
+    assert choice.shares() == {"near": 1 - weights.PROBE_SHARE, "far": probes, "backup": probes}
+    m = weights.SWITCH_MARGIN
+    assert choice.update({"near": 0.50, "far": 0.50 / (1 + m) + 0.01, "backup": None}) == "near"  # within the margin
+    now[0] = 0.5
+    faster = {"near": 0.50, "far": 0.50 / (1 + m) - 0.01, "backup": None}
+    assert choice.update(faster) == "near"  # better, but within HOLD_S
+    now[0] = weights.HOLD_S
+    assert choice.update(faster) == "far"
+    assert choice.shares() == {"near": probes, "far": 1 - weights.PROBE_SHARE, "backup": probes}
+    now[0] += weights.HOLD_S
+    far = faster["far"]
+    assert choice.update({**faster, "backup": far / (1 + m) + 0.01}) == "far"  # not the margin better
+    assert choice.update({**faster, "backup": far / (1 + m) - 0.01}) == "backup"
+    now[0] += weights.HOLD_S / 2
+    assert choice.update({"near": 0.30, "far": 0.40, "backup": 0.30}) == "backup"  # held
+    now[0] += weights.HOLD_S
+    assert choice.update({"near": 0.31, "far": 0.40, "backup": 0.30}) == "near"  # back near, though not the best
+    assert choice.update({"near": None, "far": 0.40, "backup": 0.50}) == "far"  # it stopped answering: at once
+    assert choice.update({"near": None, "far": None, "backup": None}) == "far"  # nothing known: as it was
+    assert weights.region_weights({"near": 0.995, "far": 0.005}) == {"near": 9950, "far": 50}
+    assert weights.region_weights({"near": 1.0, "far": 0.0}) == {"near": 10000, "far": 1}  # Envoy's minimum
 
 
 def _busy(address: str, clients: int, stop: threading.Event) -> list[threading.Thread]:
@@ -363,35 +443,39 @@ def _share(results, region: str) -> float:
     return Counter(backend for _, backend in results)[region] / max(1, len(results))
 
 
-def test_an_idle_near_region_keeps_the_requests_and_a_busy_one_sends_a_share_away(fleet):
-    """Two regions (2 ms, 40 ms), a server in each taking 0.2 s a request and reporting its load
-    over a target of 2, routing load-aware. One client: the near region keeps nearly all (the
-    far one gets Envoy's remote probes, 3 %). Four more clients held in flight at the near server
-    (sent to it directly: the gateway sees only the reports): a measurable share goes to the far
-    region. The load gone: the requests come back. No client sees a load report."""
-    near_server = fleet.stub("near", delay=0.2, load_target=2)
-    far_server = fleet.stub("far", delay=0.2, load_target=2)
+def test_an_idle_near_region_keeps_the_requests_and_a_slow_one_loses_them_until_it_recovers(fleet):
+    """Two regions (2 ms, 40 ms), a server in each working on 2 requests at a time, 0.2 s each,
+    and reporting its load, routing load-aware. One client: the near region keeps all but the
+    probes (PROBE_SHARE). Four more clients at the near server (sent to it directly: the gateway
+    sees only the reports) make a queue there, and its answers slower than the far region's round
+    trip: the far region takes all but the probes. The load gone: the requests come back. No
+    client sees a load report."""
+    near_server = fleet.stub("near", delay=0.2, load_target=2, slots=2)
+    far_server = fleet.stub("far", delay=0.2, load_target=2, slots=2)
     near, far = fleet.region("near", near_server, NEAR_MS), fleet.region("far", far_server, FAR_MS)
     g = fleet.gateway({"regions": two_regions(near, far), "tenants": [tenant("team-a")], "routing": "load-aware"})
     load(g, clients=1, seconds=2)  # each region has reported (the far one by a probe, or the first weights)
     assert not {k.lower() for k in call(g, key=KEYS["team-a"])[1]} & {load_report.HEADER, load_report.GRPC_METADATA}
 
     quiet = load(g, clients=1, seconds=4)
-    assert {s for s, _ in quiet} == {200} and _share(quiet, "near") >= 0.8, Counter(quiet)
+    assert {s for s, _ in quiet} == {200} and _share(quiet, "near") >= 0.9, Counter(quiet)  # a probe may go far
 
     stop = threading.Event()
     background = _busy(near_server.address, 4, stop)
     try:
-        time.sleep(1.0)
-        busy = load(g, clients=1, seconds=5)
+        wait_until(lambda: g.weigher.chosen("cube3d") == "far", 20, "the far region chosen")
+        busy = load(g, clients=1, seconds=4)
     finally:
         stop.set()
         for t in background:
             t.join(30)
-    assert {s for s, _ in busy} == {200} and _share(busy, "far") >= 0.3, Counter(busy)
+    assert {s for s, _ in busy} == {200} and _share(busy, "far") >= 0.9, Counter(busy)
 
-    # The near region's reports age out (weight_expiration_period) and its own answers say it is idle.
-    wait_until(lambda: _share(load(g, clients=1, seconds=2), "near") >= 0.8, 30, "requests back at the near region")
+    # Nothing in progress at the near server: its last time is from its load, the far region's
+    # stands for it, and its round trip is shorter.
+    wait_until(lambda: g.weigher.chosen("cube3d") == "near", 20, "the near region chosen again")
+    back = load(g, clients=1, seconds=2)
+    assert _share(back, "near") >= 0.9, Counter(back)
 
 
 def test_with_load_aware_routing_a_full_near_region_spills_over_and_a_dead_one_fails_over(fleet):
@@ -419,7 +503,8 @@ def test_with_load_aware_routing_a_full_near_region_spills_over_and_a_dead_one_f
 
 def test_the_binary_report_says_what_the_text_does():
     """gRPC's endpoint-load-metrics-bin is an xds.data.orca.v3.OrcaLoadReport (read by protobuf
-    from the message's field numbers) holding the values of the text form, the queue included."""
+    from the message's field numbers) holding the values of the text form, the queue and the
+    recent time of a generation included."""
     now = [100.0]
     report = LoadReport(target=8, max_objects=2, clock=lambda: now[0])
     for _ in range(5):
@@ -431,6 +516,21 @@ def test_the_binary_report_says_what_the_text_does():
     now[0] += load_report.RATE_TIME_CONSTANT_S  # rates decay: e^-1 after the time constant
     assert parse_binary(report.binary())["rps_fractional"] == pytest.approx(0.2 / 2.718281828, rel=1e-6)
     assert "named_metrics.queue" not in parse_binary(LoadReport(target=2).binary())
+    # A generation's recent time: from the successful answers that say when they started, a
+    # moving average (SECONDS_WEIGHT of each new one); none until the first.
+    assert f"named_metrics.{load_report.SECONDS_METRIC}" not in parse_text(report.header())
+    started = report.started()
+    now[0] += 2.0
+    report.finished(started=started)
+    assert parse_binary(report.binary())[f"named_metrics.{load_report.SECONDS_METRIC}"] == 2.0
+    started = report.started()
+    now[0] += 6.0
+    report.finished(failed=True, started=started)  # a failure's time says nothing of a generation's
+    started = report.started()
+    now[0] += 6.0
+    report.finished(started=started)
+    expected = 2.0 + load_report.SECONDS_WEIGHT * (6.0 - 2.0)
+    assert parse_text(report.header())[f"named_metrics.{load_report.SECONDS_METRIC}"] == pytest.approx(expected)
 
 
 def test_a_load_report_costs_microseconds():

@@ -39,8 +39,8 @@ def fleet(tmp_path):
 
     class Fleet:
         @staticmethod
-        def stub(name: str, delay: float = 0.0, max_in_flight: int = 0, load_target: float = 0) -> Stub:
-            s = Stub(tmp_path, name, delay, max_in_flight, load_target)
+        def stub(name: str, delay: float = 0.0, max_in_flight: int = 0, load_target: float = 0, slots: int = 0) -> Stub:
+            s = Stub(tmp_path, name, delay, max_in_flight, load_target, slots)
             started.append(s)
             return s
 

@@ -39,20 +39,22 @@ its priority (give the nearest, lowest-latency region priority 0), and a request
 pays one round trip to it before the spill-over. Regions of equal priority share their load by
 LEAST_REQUEST, which favours the faster servers.
 
-`routing: load-aware` (opt-in; gateway/config.py) chooses the region by measured load instead:
-every answer of a server carries its ORCA load report (server/load_report.py: generations in
-progress / its scaling target), and Envoy 1.40's load_aware_locality (work in progress upstream)
-weighs the regions, all localities of priority 0, by it: the near region (the node's own
-locality: the lowest priority's) takes every request while its utilization is at most
-LOAD_AWARE's utilization_variance_threshold above the others' (but for remote probes, 3 %), and
-past that each region gets a share in proportion to its headroom (1 - utilization); a region
-with no healthy server gets none (no panic routing). The policy draws the region once per try,
-and a retry's previous_hosts looks only inside the region drawn, so every remote region is also
-at priority 1, where previous_priorities sends a retry: a full region's 503 still spills over
-and a dead one's cut requests fail over. LEAST_REQUEST (WITHIN_REGION) picks the server in the
-region: client_side_weighted_round_robin on the same reports measured no better. The servers'
-reports are removed before answers reach clients. What it did, measured, and what Envoy's policy
-does not do: docs/gateway/regions-models-traces.md.
+`routing: load-aware` (opt-in; gateway/config.py) chooses the region by measured latency instead:
+every answer of a server carries its ORCA load report (server/load_report.py), and the gateway's
+weigher (gateway/weights.py) turns the reports and the round trips it measures into a share per
+region: the region with the lowest expected latency takes all but a probe share. Each region has
+a cluster of its own that starts there (`via_cluster`: that region at priority 0, the others
+after it in the operator's order, the same servers), and the model's route draws one of them per
+request by those shares (weighted_clusters, their weights in Envoy's runtime under
+`weights_key`, which the weigher sets through the admin API). So everything the priority
+routing does holds inside each: a full region's 503 is retried in the next priority, a dead
+region's requests fail over, and LEAST_REQUEST picks the server in a region. The servers'
+reports are removed before answers reach clients. Why not EDS locality weights in one cluster:
+a retry's previous_hosts looks only inside the locality drawn, so a full region would get its
+own retries, and a cluster from EDS keeps a server once however many priorities list it (Envoy
+1.40's EDS drops the second; a STATIC cluster keeps both), so the remote regions cannot also sit
+at priority 1 for previous_priorities. Envoy 1.40's own load_aware_locality did not beat static
+priority on p99 (docs/gateway/regions-models-traces.md): the weigher replaces it.
 
 Tracing (gateway.tracing): W3C trace context in and out, a span per hop, to an OTLP collector.
 """
@@ -69,12 +71,14 @@ import subprocess
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from cubeserve import deploy
 from cubeserve.deploy import PREDICT_MODEL
 from cubeserve.gateway.config import GatewayConfig, Model, Region
+from cubeserve.gateway.weights import Choice, Weigher, region_weights
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.experiment import BAND_KEY, MODEL_KEY, TENANT_KEY
 from cubeserve.server.load_report import GRPC_METADATA as LOAD_REPORT_BIN
@@ -128,30 +132,6 @@ MAX_CONNECTIONS = 10000  # client connections at once, all listeners together
 UPSTREAM_IDLE_S = deploy.HEADER_TIMEOUT_S / 2
 _ALL = {"numerator": 100, "denominator": "HUNDRED"}
 _TYPE = "type.googleapis.com/envoy.extensions."
-# routing: load-aware. Envoy's load_aware_locality (work in progress in 1.40) picks a region by
-# the utilization its servers report (ORCA, server/load_report.py: requests in progress / the
-# scaling target), then LEAST_REQUEST picks a server in it. Measured: docs/gateway/regions-models-traces.md.
-LOAD_AWARE = {
-    "weight_update_period": "0.5s",  # region weights recomputed this often (Envoy's least: 0.1 s)
-    "smoothing_time_constant": "2s",  # of each region's utilization (a generation takes seconds)
-    # The near region keeps every request while its utilization is at most this far above the
-    # others' (one request in flight is 0.5 of the CPU target, 0.125 of the GPU one).
-    "utilization_variance_threshold": 0.25,
-    "remote_probe_fraction": 0.03,  # the share sent to the other regions to keep their reports fresh
-    "weight_expiration_period": "5s",  # a server's report is forgotten after this long
-}
-# The server in a region, with load-aware routing: least_request (FULL_SCAN), or
-# client_side_weighted_round_robin (weights qps / utilization from the reports; CSWRR below),
-# which measured no better, one server busy with a load the gateway does not see
-# (docs/gateway/regions-models-traces.md; bench/gateway.py --within-region): LEAST_REQUEST needs
-# no reports and no blackout, and its count is never stale.
-WITHIN_REGION = "least_request"
-CSWRR = {
-    "blackout_period": "2s",  # a server's weight is used once it has reported for this long
-    "weight_expiration_period": "30s",
-    "weight_update_period": "1s",
-    "error_utilization_penalty": 1.0,  # eps / qps added to the utilization (a busy server's 503s)
-}
 
 
 def envoy_binary() -> str:
@@ -288,9 +268,14 @@ def _retry_policy() -> dict:
         "retry_back_off": {"base_interval": RETRY_BACK_OFF, "max_interval": "1s"}}
 
 
-def _model_route(model: Model, match: dict) -> dict:
-    route = {"cluster": model_cluster(model), "timeout": _duration(deploy.REQUEST_TIMEOUT_S),
-             "retry_policy": _retry_policy()}
+def _model_route(config: GatewayConfig, model: Model, match: dict) -> dict:
+    route = {"timeout": _duration(deploy.REQUEST_TIMEOUT_S), "retry_policy": _retry_policy()}
+    if config.routing == "load-aware":  # a cluster per region, drawn by the weigher's weights
+        initial = region_weights(Choice([r.name for r in model.regions], config.near_region).shares())
+        route["weighted_clusters"] = {"runtime_key_prefix": weights_key(model), "clusters": [
+            {"name": via_cluster(model, r), "weight": initial[r.name]} for r in model.regions]}
+    else:
+        route["cluster"] = model_cluster(model)
     if model.name != PREDICT_MODEL:  # the servers know their model as cube3d (and cube3d_stream)
         route["regex_rewrite"] = {"pattern": {"regex": rf"^/v2/models/{re.escape(model.name)}"},
                                   "substitution": f"/v2/models/{PREDICT_MODEL}"}
@@ -311,40 +296,59 @@ def model_cluster(model: Model) -> str:
     return f"model.{model.name}"
 
 
-def _localities(config: GatewayConfig, model: Model) -> list[tuple[int, Region]]:
-    """(Envoy priority, region) of each locality. `priority`: a region at its priority, made
-    contiguous from 0 as Envoy wants them. `load-aware`: every region at priority 0, where
-    load_aware_locality weighs them by their reports (the near one is the node's own locality,
-    render()), and every other region again at priority 1, for the retries: its policy draws the
-    region once per try and a retry's previous_hosts looks only inside it, so a region answering
-    503 would get the retry too; previous_priorities sends it to priority 1, the others. (Those
-    servers are two hosts to Envoy, each health-checked.)"""
+def _localities(model: Model, first: Region | None = None) -> list[tuple[int, Region]]:
+    """(Envoy priority, region) of each locality: a region at its priority, made contiguous from 0
+    as Envoy wants them. With `first` (load-aware's via_cluster): that region alone at priority 0,
+    the others after it by their priorities."""
+    rest = [r for r in model.regions if r is not first]
+    rank = {p: i for i, p in enumerate(sorted({r.priority for r in rest}))}
+    shift = 0 if first is None else 1
+    return ([(0, first)] if first is not None else []) + [(rank[r.priority] + shift, r) for r in rest]
+
+
+def via_cluster(model: Model, region: Region) -> str:
+    """Load-aware: the model's cluster that starts in `region` (_localities with it first)."""
+    return f"{model_cluster(model)}.via.{region.name}"
+
+
+def weights_key(model: Model) -> str:
+    """Load-aware: the runtime key prefix of the model's region weights; the weight of the cluster
+    starting in a region is `<prefix>.<via_cluster>` (the weigher sets them: gateway/weights.py)."""
+    return f"cubeserve.weights.{model.name}"
+
+
+def model_clusters(config: GatewayConfig, model: Model) -> list[str]:
+    """The names of the model's clusters: one, or with routing load-aware one per region."""
     if config.routing == "load-aware":
-        return [(0, r) for r in model.regions] + [(1, r) for r in model.regions[1:]]
-    rank = {p: i for i, p in enumerate(sorted({r.priority for r in model.regions}))}
-    return [(rank[r.priority], r) for r in model.regions]
+        return [via_cluster(model, r) for r in model.regions]
+    return [model_cluster(model)]
 
 
-def _model_cluster(config: GatewayConfig, model: Model) -> dict:
+def load_assignment(config: GatewayConfig, model: Model, first: Region | None = None) -> dict:
+    """A model's servers by locality (_localities), as the cluster `model_cluster`, or
+    `via_cluster` with `first`."""
+    endpoints = [{"locality": {"region": r.name}, "priority": priority, "lb_endpoints": [
+        {"endpoint": {"address": _socket(host, port)}} for host, port in r.backends]}
+        for priority, r in _localities(model, first)]
+    return {"cluster_name": model_cluster(model) if first is None else via_cluster(model, first),
+            "endpoints": endpoints, "policy": {"overprovisioning_factor": round(config.overprovisioning * 100)}}
+
+
+def _model_cluster(config: GatewayConfig, model: Model, first: Region | None = None) -> dict:
     """A model's servers: one locality per region (_localities), LEAST_REQUEST among the healthy
-    servers of the first priority with enough of them (the overprovisioning factor), or by load
-    (load-aware), active health checks and outlier detection deciding which are healthy."""
-    load_aware = config.routing == "load-aware"
+    servers of the first priority with enough of them (the overprovisioning factor), active
+    health checks and outlier detection deciding which are healthy. With `first` (load-aware):
+    the cluster starting in that region."""
     interval = config.health_check_interval_s
     many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
-    cluster = {
-        "name": model_cluster(model), "connect_timeout": "2s", "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
+    assignment = load_assignment(config, model, first)
+    return {
+        "name": assignment["cluster_name"], "connect_timeout": "2s", "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
         "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": _TYPE + "upstreams.http.v3.HttpProtocolOptions",
             "common_http_protocol_options": {"idle_timeout": _duration(UPSTREAM_IDLE_S)},
             "explicit_http_config": {"http_protocol_options": {}}}},
-        "load_balancing_policy": _load_aware_policy() if load_aware else _least_request(),
-        "load_assignment": {
-            "cluster_name": model_cluster(model),
-            "policy": {"overprovisioning_factor": round(config.overprovisioning * 100)},
-            "endpoints": [{"locality": {"region": r.name}, "priority": priority, "lb_endpoints": [
-                {"endpoint": {"address": _socket(host, port)}} for host, port in r.backends]}
-                for priority, r in _localities(config, model)]},
+        "load_balancing_policy": _least_request(),
         # no_traffic_interval: Envoy's default (60 s) holds from the first check until a host has
         # had traffic, so a server that died before its first request would be seen a minute late.
         "health_checks": [{"timeout": _duration(max(1.0, interval)), "interval": _duration(interval),
@@ -357,12 +361,8 @@ def _model_cluster(config: GatewayConfig, model: Model) -> dict:
         "outlier_detection": OUTLIER_DETECTION,
         "circuit_breakers": {"thresholds": [{**many, "retry_budget": {
             "budget_percent": {"value": RETRY_BUDGET_PERCENT}, "min_retry_concurrency": MIN_RETRIES_AT_ONCE}}]},
+        "load_assignment": assignment,
     }
-    if load_aware:
-        # Only healthy servers, however few: a dead region's share would otherwise be "panic"
-        # (Envoy's default: under 50 % healthy, all servers, dead ones too).
-        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
-    return cluster
 
 
 def _least_request() -> dict:
@@ -373,22 +373,6 @@ def _least_request() -> dict:
         "name": "envoy.load_balancing_policies.least_request",
         "typed_config": {"@type": _TYPE + "load_balancing_policies.least_request.v3.LeastRequest",
                          "selection_method": "FULL_SCAN"}}}]}
-
-
-def _cswrr() -> dict:
-    return {"policies": [{"typed_extension_config": {
-        "name": "envoy.load_balancing_policies.client_side_weighted_round_robin",
-        "typed_config": {"@type": _TYPE + "load_balancing_policies.client_side_weighted_round_robin.v3."
-                                          "ClientSideWeightedRoundRobin", **CSWRR}}}]}
-
-
-def _load_aware_policy() -> dict:
-    """load_aware_locality (LOAD_AWARE) choosing the region, WITHIN_REGION the server in it."""
-    within = _least_request() if WITHIN_REGION == "least_request" else _cswrr()
-    return {"policies": [{"typed_extension_config": {
-        "name": "envoy.load_balancing_policies.load_aware_locality",
-        "typed_config": {"@type": _TYPE + "load_balancing_policies.load_aware_locality.v3.LoadAwareLocality",
-                         "endpoint_picking_policy": within, **LOAD_AWARE}}}]}
 
 
 def render(config: GatewayConfig) -> dict:
@@ -439,9 +423,9 @@ def render(config: GatewayConfig) -> dict:
     # The servers' load reports are for the gateway, not for clients.
     edge["typed_config"]["route_config"]["response_headers_to_remove"] = [LOAD_REPORT, LOAD_REPORT_BIN]
     default = config.models[0]
-    inner_routes = [_model_route(m, {"safe_regex": {"regex": model_path(m)}}) for m in config.models]
+    inner_routes = [_model_route(config, m, {"safe_regex": {"regex": model_path(m)}}) for m in config.models]
     inner_routes.append(_unknown_model(config))
-    inner_routes.append(_model_route(default, {"prefix": "/"}))  # health, server metadata
+    inner_routes.append(_model_route(config, default, {"prefix": "/"}))  # health, server metadata
     inner = _hcm(BACKENDS, inner_routes, [], **tracing)
     many = {"max_connections": 1 << 20, "max_pending_requests": 1 << 20, "max_requests": 1 << 20}
     tenant_clusters = [{
@@ -450,14 +434,16 @@ def render(config: GatewayConfig) -> dict:
         "load_assignment": {"cluster_name": f"tenant.{t.id}", "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": {"envoy_internal_address": {"server_listener_name": BACKENDS}}}}]}]},
     } for t in config.tenants]
-    clusters = [*tenant_clusters, *(_model_cluster(config, m) for m in config.models)]
+    if config.routing == "load-aware":
+        model_clusters_ = [_model_cluster(config, m, r) for m in config.models for r in m.regions]
+    else:
+        model_clusters_ = [_model_cluster(config, m) for m in config.models]
+    clusters = [*tenant_clusters, *model_clusters_]
     if config.tracing:
         clusters.append(_collector_cluster(config.tracing.collector))
     admin = {"address": _socket("127.0.0.1", config.admin_port)}
     node = {"id": "cube-serve-gateway", "cluster": "cube-serve-gateway"}
-    if config.near_region:  # load-aware: the near region is the "local" locality of each cluster
-        node["locality"] = {"region": config.near_region}
-    return {
+    bootstrap = {
         "node": node,
         "admin": admin,
         "bootstrap_extensions": [{"name": "envoy.bootstrap.internal_listener", "typed_config": {
@@ -478,6 +464,9 @@ def render(config: GatewayConfig) -> dict:
             "clusters": clusters,
         },
     }
+    if config.routing == "load-aware":  # the weigher's region weights (weights_key), set over the admin API
+        bootstrap["layered_runtime"] = {"layers": [{"name": "weigher", "admin_layer": {}}]}
+    return bootstrap
 
 
 def _overload_manager() -> dict:
@@ -556,7 +545,8 @@ class Gateway:
     """Envoy with `config`, on 127.0.0.1, stopped by its PID. Its rendered file, log and admin
     address live in a private folder (`workdir`, made if not given). A folder made here is removed
     as soon as Envoy is ready (the log is read through the handle kept open), so that a command
-    killed with no chance to clean up leaves nothing behind."""
+    killed with no chance to clean up leaves nothing behind. With routing load-aware, the
+    weigher (gateway/weights.py) runs beside Envoy and sets the region weights in its runtime."""
 
     def __init__(self, config: GatewayConfig, workdir: str | Path | None = None, concurrency: int = 2):
         self.config, self.concurrency = config, concurrency
@@ -568,6 +558,7 @@ class Gateway:
         self.admin_url: str | None = None
         self.log_path = self.workdir / "envoy.log"
         self._log = None  # the log, open for reading (its folder may be gone)
+        self.weigher: Weigher | None = None
 
     @property
     def url(self) -> str:
@@ -582,9 +573,11 @@ class Gateway:
             raise
 
     def _write(self) -> Path:
-        """Envoy's file, rendered and validated."""
+        """Envoy's file, rendered and validated; with routing load-aware, the weigher made."""
         path = write(self.config, self.workdir)
         validate(self.config, path)
+        if self.config.routing == "load-aware":
+            self.weigher = Weigher(self.config.models, self.config.near_region, self.set_weights)
         return path
 
     def _start(self, timeout: float) -> "Gateway":
@@ -608,6 +601,8 @@ class Gateway:
                     path.unlink()  # Envoy has read it: the keys stay on disk no longer than needed
                     if self._own_workdir:
                         shutil.rmtree(self.workdir, ignore_errors=True)
+                    if self.weigher is not None:
+                        self.weigher.start()
                     return self
             time.sleep(0.05)
         raise RuntimeError(f"envoy was not ready within {timeout:.0f} s:\n" + self.log_tail())
@@ -628,16 +623,28 @@ class Gateway:
                 out[name] = int(value)
         return out
 
+    def set_weights(self, model: Model, weights: dict[str, int]) -> None:
+        """Load-aware: the share of the model's requests that starts in each region (region ->
+        weight), in Envoy's runtime (weights_key); the next request is drawn by them."""
+        by_name = {r.name: r for r in model.regions}
+        query = urllib.parse.urlencode({f"{weights_key(model)}.{via_cluster(model, by_name[name])}": weight
+                                        for name, weight in weights.items()})
+        request = urllib.request.Request(f"{self.admin_url}/runtime_modify?{query}", method="POST")
+        with urllib.request.urlopen(request, timeout=5) as r:
+            r.read()
+
     def healthy_backends(self) -> int:
-        """Healthy servers, all models and regions together."""
+        """Healthy servers, all models and regions together (load-aware: counted in each of a
+        model's clusters, model_clusters)."""
         stats = self.stats()
-        return sum(stats.get(f"cluster.{model_cluster(m)}.membership_healthy", 0) for m in self.config.models)
+        return sum(stats.get(f"cluster.{name}.membership_healthy", 0)
+                   for m in self.config.models for name in model_clusters(self.config, m))
 
     def wait_healthy(self, count: int | None = None, timeout: float = 30.0) -> None:
-        """Until `count` servers are healthy (default: every server Envoy has, a load-aware
-        gateway's remote ones twice: _localities)."""
+        """Until `count` servers are healthy (default: every server Envoy has, healthy_backends)."""
         if count is None:
-            count = sum(len(r.backends) for m in self.config.models for _, r in _localities(self.config, m))
+            count = sum(len(model_clusters(self.config, m)) * sum(len(r.backends) for r in m.regions)
+                        for m in self.config.models)
         deadline = time.monotonic() + timeout
         while self.healthy_backends() < count:
             if time.monotonic() > deadline:
@@ -653,6 +660,8 @@ class Gateway:
         return _redact(text[-chars:], self.config)
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.weigher is not None:
+            self.weigher.stop()
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

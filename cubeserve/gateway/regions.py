@@ -2,7 +2,10 @@
 127.0.0.1 standing for a region's ingress: every request (health checks too) waits a fixed delay
 there (Envoy's fault filter: the round trip to a far data centre), then goes to that region's
 servers; with `max_in_flight`, one request more than that is answered 503 at once (a circuit
-breaker: the region is full), which the gateway spills over to its next region.
+breaker: the region is full), which the gateway spills over to its next region. The readiness
+probes (deploy.READY_PATH: the gateway's health checks and its weigher's polls) are not counted
+against it: a full region's servers still answer them, and several of them at once must not
+fill a region of a small cap.
 
     with RegionFront("near", ["127.0.0.1:8000"], delay_ms=2) as near, \\
          RegionFront("far", ["127.0.0.1:8001"], delay_ms=40) as far:
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+from cubeserve import deploy
 from cubeserve.gateway.envoy import _TYPE, Gateway, _hcm, _socket
 from cubeserve.server.local_triton import free_port
 
@@ -27,23 +31,25 @@ def render(name: str, port: int, backends: list[str], delay_ms: float, max_in_fl
     fault = {"name": "envoy.filters.http.fault", "typed_config": {
         "@type": _TYPE + "filters.http.fault.v3.HTTPFault",
         "delay": {"fixed_delay": f"{delay_ms / 1000:g}s", "percentage": {"numerator": 100, "denominator": "HUNDRED"}}}}
-    route = {"match": {"prefix": "/"}, "route": {"cluster": name, "timeout": "0s"},
-             # Which region answered, for the benchmark's shares (bench/gateway.py).
-             "response_headers_to_add": [{"header": {"key": REGION_HEADER, "value": name},
-                                          "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
-    hcm = _hcm(f"region.{name}", [route], [fault])
+    probes = f"{name}.probes"
+    # Which region answered, for the benchmark's shares (bench/gateway.py).
+    region = [{"header": {"key": REGION_HEADER, "value": name}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    routes = [{"match": {"path": deploy.READY_PATH}, "route": {"cluster": probes, "timeout": "0s"}},
+              {"match": {"prefix": "/"}, "route": {"cluster": name, "timeout": "0s"}, "response_headers_to_add": region}]
+    hcm = _hcm(f"region.{name}", routes, [fault])
     hosts = [b.rsplit(":", 1) for b in backends]
-    cluster = {"name": name, "connect_timeout": "2s",
-               "circuit_breakers": {"thresholds": [{"max_connections": many, "max_pending_requests": many,
-                                                    "max_requests": max_in_flight or many, "max_retries": 0}]},
-               "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
-                   {"endpoint": {"address": _socket(h, int(p))}} for h, p in hosts]}]}}
+    clusters = [{"name": cluster, "connect_timeout": "2s",
+                 "circuit_breakers": {"thresholds": [{"max_connections": many, "max_pending_requests": many,
+                                                      "max_requests": cap, "max_retries": 0}]},
+                 "load_assignment": {"cluster_name": cluster, "endpoints": [{"lb_endpoints": [
+                     {"endpoint": {"address": _socket(h, int(p))}} for h, p in hosts]}]}}
+                for cluster, cap in ((name, max_in_flight or many), (probes, many))]
     return {"node": {"id": f"region-{name}", "cluster": f"region-{name}"},
             "admin": {"address": _socket("127.0.0.1", 0)},
             "static_resources": {
                 "listeners": [{"name": name, "address": _socket("127.0.0.1", port),
                                "filter_chains": [{"filters": [hcm]}]}],
-                "clusters": [cluster]}}
+                "clusters": clusters}}
 
 
 class RegionFront(Gateway):

@@ -467,7 +467,7 @@ class FrontEnd(LoopThread):
             headers[deploy.ADMIN_HEADER] = self.upstream_key
         if kind not in GENERATIONS:
             return await self._forward(request, headers, body)
-        self.load.started()  # in progress until its answer has ended
+        started = self.load.started()  # in progress until its answer has ended
         failed = False
         try:
             response = await self._forward(request, headers, body)
@@ -477,7 +477,7 @@ class FrontEnd(LoopThread):
             failed = exc.status >= 500
             raise
         finally:
-            self.load.finished(failed)
+            self.load.finished(failed, started)
 
     async def _read(self, request: web.Request, limit: int, counted: bool = True) -> bytes:
         """The body, at most `limit` bytes (413 past it, before reading it all), within

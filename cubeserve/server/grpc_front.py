@@ -278,9 +278,9 @@ class GrpcFrontEnd(LoopThread):
     async def _call(self, method: str, raw: bytes, metadata: list, context: grpc.aio.ServicerContext) -> bytes:
         """The call forwarded; its answer (or error) ends with the load report, taken while a
         ModelInfer still counts as in progress."""
-        counted, failed = method == INFER, False
+        counted, failed, started = method == INFER, False, None
         if counted:
-            self.load.started()
+            started = self.load.started()
         try:
             reply = await self._channel.unary_unary(method)(raw, metadata=metadata, timeout=context.time_remaining())
             context.set_trailing_metadata(self.load.trailing_metadata())
@@ -291,7 +291,7 @@ class GrpcFrontEnd(LoopThread):
             await context.abort(code, details, self.load.trailing_metadata())
         finally:
             if counted:
-                self.load.finished(failed)
+                self.load.finished(failed, started)
 
     async def _stream(self, requests, context: grpc.aio.ServicerContext):
         """ModelStreamInfer: each request checked on its way up; a refused one is answered with an

@@ -16,7 +16,11 @@ What a report says, counted by the front ends themselves (no scraping: cheap and
   a busy server's refusal is one), per second, the same way;
 * named_metrics.queue: the requests in progress beyond what the engine decodes at once
   (max_objects of cube3d_stream's config.pbtxt): waiting in its queue. Left out where the
-  front end does not know max_objects (a front end started on its own, outside the supervisor).
+  front end does not know max_objects (a front end started on its own, outside the supervisor);
+* named_metrics.seconds: the time a generation took here recently, from the front end's
+  forwarding it to its answer (waiting in the queue included), a moving average over the last
+  few successful answers (SECONDS_WEIGHT each). Left out until the first one. The gateway's
+  load-aware routing predicts a region's latency from it (gateway/weights.py).
 
 Where it is: over REST the response header `endpoint-load-metrics` in Envoy's text form
 (`TEXT application_utilization=0.5,rps_fractional=2,eps=0,named_metrics.queue=0`: Envoy 1.40's
@@ -45,6 +49,8 @@ HEADER = "endpoint-load-metrics"  # REST: Envoy's text form
 GRPC_METADATA = "endpoint-load-metrics-bin"  # gRPC trailing metadata: the serialized report
 RATE_TIME_CONSTANT_S = 10.0  # of the answers' rates: a generation takes seconds
 QUEUE_METRIC = "queue"
+SECONDS_METRIC = "seconds"
+SECONDS_WEIGHT = 0.25  # of each answer in the moving average of a generation's time
 
 
 def _double(field: int, value: float) -> bytes:
@@ -60,6 +66,7 @@ class LoadReport:
             raise ValueError(f"the scaling target must be positive, got {target!r}")
         self.target, self.max_objects, self._clock = float(target), max_objects, clock
         self.in_progress = 0
+        self.seconds: float | None = None  # a generation's recent time (the module's docstring)
         self._lock = threading.Lock()
         self._rates = [0.0, 0.0]  # answers/s, failed answers/s, as of self._at
         self._at = clock()
@@ -83,41 +90,51 @@ class LoadReport:
         self._rates = [r * factor for r in self._rates]
         self._at = now
 
-    def started(self) -> None:
-        """A generation forwarded to tritonserver."""
+    def started(self) -> float:
+        """A generation forwarded to tritonserver; the time it started, for finished()."""
         with self._lock:
             self.in_progress += 1
+        return self._clock()
 
-    def finished(self, failed: bool = False) -> None:
-        """Its answer ended (`failed`: on the server's side)."""
+    def finished(self, failed: bool = False, started: float | None = None) -> None:
+        """Its answer ended (`failed`: on the server's side; `started`: what started() returned,
+        for the time it took, where the caller kept it)."""
         with self._lock:
+            now = self._clock()
             self.in_progress = max(self.in_progress - 1, 0)
-            self._decay(self._clock())
+            self._decay(now)
             self._rates[0] += 1 / RATE_TIME_CONSTANT_S
             self._rates[1] += failed / RATE_TIME_CONSTANT_S
+            if started is not None and not failed:
+                took = now - started
+                self.seconds = took if self.seconds is None else self.seconds + SECONDS_WEIGHT * (took - self.seconds)
 
-    def values(self) -> tuple[float, float, float, int | None]:
-        """(utilization, answers/s, failed answers/s, queued requests or None), now."""
+    def values(self) -> tuple[float, float, float, dict[str, float]]:
+        """(utilization, answers/s, failed answers/s, the named metrics known), now."""
         with self._lock:
             self._decay(self._clock())
             rps, eps = self._rates
-            in_progress = self.in_progress
-        queue = None if self.max_objects is None else max(in_progress - self.max_objects, 0)
-        return in_progress / self.target, rps, eps, queue
+            in_progress, seconds = self.in_progress, self.seconds
+        named = {}
+        if self.max_objects is not None:
+            named[QUEUE_METRIC] = max(in_progress - self.max_objects, 0)
+        if seconds is not None:
+            named[SECONDS_METRIC] = seconds
+        return in_progress / self.target, rps, eps, named
 
     def header(self) -> str:
         """The REST header's value (Envoy's text form)."""
-        utilization, rps, eps, queue = self.values()
+        utilization, rps, eps, named = self.values()
         text = f"TEXT application_utilization={utilization:.4g},rps_fractional={rps:.4g},eps={eps:.4g}"
-        return text if queue is None else f"{text},named_metrics.{QUEUE_METRIC}={queue}"
+        return "".join([text, *(f",named_metrics.{k}={v:.4g}" for k, v in named.items())])
 
     def binary(self) -> bytes:
         """The serialized xds.data.orca.v3.OrcaLoadReport (gRPC's trailing metadata): fields
         application_utilization (9), rps_fractional (6), eps (7), named_metrics (8, a map)."""
-        utilization, rps, eps, queue = self.values()
+        utilization, rps, eps, named = self.values()
         out = _double(9, utilization) + _double(6, rps) + _double(7, eps)
-        if queue is not None:
-            entry = bytes([0x0A, len(QUEUE_METRIC)]) + QUEUE_METRIC.encode() + _double(2, float(queue))
+        for name, value in named.items():  # map entries: key (1), value (2)
+            entry = bytes([0x0A, len(name)]) + name.encode() + _double(2, float(value))
             out += bytes([0x42, len(entry)]) + entry
         return out
 
