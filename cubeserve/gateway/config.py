@@ -35,8 +35,9 @@ mechanisms. Or, opt-in, by measured load:
 
     routing: load-aware            # default: priority
     # the near region (the lowest priority, alone there; one name for all models) keeps the
-    # requests while its servers report a load like the others'; as it grows past theirs,
-    # requests move to the regions with room (ORCA reports, server/load_report.py)
+    # requests while it promises a latency like the others'; once another promises less (its
+    # round trip plus what the servers' load reports predict), requests move there
+    # (gateway/weights.py; the reports: server/load_report.py)
 
 A quota of 51200 shape tokens per hour is 100 objects of v0.1 (512 tokens each) or 50 of v0.5
 (1024 each): a request's cost is its config's number of shape tokens (config.ModelConfig.num_tokens),
@@ -136,14 +137,6 @@ class GatewayConfig:
     overprovisioning: float = 1.4
     tracing: "Tracing | None" = None
     routing: str = "priority"  # ROUTINGS
-
-    @property
-    def near_region(self) -> str | None:
-        """With routing load-aware: the gateway's own region, each model's region of the lowest
-        priority (one name for all models with several regions, checked by parse); else None."""
-        if self.routing != "load-aware":
-            return None
-        return next((m.regions[0].name for m in self.models if len(m.regions) > 1), self.models[0].regions[0].name)
 
     @property
     def model(self) -> str:

@@ -78,7 +78,7 @@ from pathlib import Path
 from cubeserve import deploy
 from cubeserve.deploy import PREDICT_MODEL
 from cubeserve.gateway.config import GatewayConfig, Model, Region
-from cubeserve.gateway.weights import Choice, Weigher, region_weights
+from cubeserve.gateway.weights import Weigher, choice, region_weights
 from cubeserve.lifetime import ends_with_this_process
 from cubeserve.serving.experiment import BAND_KEY, MODEL_KEY, TENANT_KEY
 from cubeserve.server.load_report import GRPC_METADATA as LOAD_REPORT_BIN
@@ -271,7 +271,7 @@ def _retry_policy() -> dict:
 def _model_route(config: GatewayConfig, model: Model, match: dict) -> dict:
     route = {"timeout": _duration(deploy.REQUEST_TIMEOUT_S), "retry_policy": _retry_policy()}
     if config.routing == "load-aware":  # a cluster per region, drawn by the weigher's weights
-        initial = region_weights(Choice([r.name for r in model.regions], config.near_region).shares())
+        initial = region_weights(choice(model).shares())
         route["weighted_clusters"] = {"runtime_key_prefix": weights_key(model), "clusters": [
             {"name": via_cluster(model, r), "weight": initial[r.name]} for r in model.regions]}
     else:
@@ -577,7 +577,7 @@ class Gateway:
         path = write(self.config, self.workdir)
         validate(self.config, path)
         if self.config.routing == "load-aware":
-            self.weigher = Weigher(self.config.models, self.config.near_region, self.set_weights)
+            self.weigher = Weigher(self.config.models, self.set_weights)
         return path
 
     def _start(self, timeout: float) -> "Gateway":

@@ -149,6 +149,11 @@ class Choice:
         return {r: (1 - PROBE_SHARE) if r == self.chosen else PROBE_SHARE / len(others) for r in self.regions}
 
 
+def choice(model) -> Choice:
+    """A model's Choice: its regions, the near one first (the lowest priority: config.py sorts them)."""
+    return Choice([r.name for r in model.regions], model.regions[0].name)
+
+
 def region_weights(shares: dict[str, float]) -> dict[str, int]:
     """Envoy's integer weights for `shares` (each at least 1)."""
     return {r: max(1, round(s * TOTAL_WEIGHT)) for r, s in shares.items()}
@@ -159,10 +164,10 @@ class Weigher:
     (model, region -> weight) is called at each change of a model's choice (gateway/envoy.py
     sets them in Envoy's runtime); the weights Envoy starts with are the near region's choice."""
 
-    def __init__(self, models, near: str, publish, period_s: float = PERIOD_S):
+    def __init__(self, models, publish, period_s: float = PERIOD_S):
         self.period_s, self._publish = period_s, publish
         self._models = [(model, {r.name: [Server(b) for b in r.backends] for r in model.regions},
-                         Choice([r.name for r in model.regions], near)) for model in models]
+                         choice(model)) for model in models]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="weigher")
