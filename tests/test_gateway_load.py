@@ -90,7 +90,7 @@ def parse_trailing(metadata) -> dict[str, float]:
 
 class HeldTriton:
     """A stand-in for tritonserver's REST endpoint: GETs answered at once; each POST waits for
-    `release()` (one at a time), then answers 200, or 503 when its body says "busy"."""
+    `release()` (one at a time), then answers 200, or 503 when its body says "busy", 400 "bad"."""
 
     def __init__(self):
         self.waiting = 0
@@ -116,7 +116,7 @@ class HeldTriton:
                 held.waiting += 1
                 held._gate.acquire()
                 held.waiting -= 1
-                self._answer(503 if b"busy" in body else 200)
+                self._answer(503 if b"busy" in body else 400 if b"bad" in body else 200)
 
             def log_message(self, *a):
                 pass
@@ -148,8 +148,8 @@ def rest(port: int, path: str, body: bytes | None = None) -> tuple[int, dict]:
 def test_every_rest_answer_carries_the_servers_load_and_it_follows_the_requests_in_flight():
     """Scaling target 2, max_objects 1: idle reads 0; three generations held in flight read 1.5
     (3 / 2) with 2 queued, on a refused answer (400, 404) too; as each is answered its own answer
-    reads the requests still in progress, itself included; then answers per second, and a 503
-    counted as an error."""
+    reads the requests still in progress, itself included; then answers per second, a 503
+    counted as an error, and a generation's recent time from answered generations only."""
     triton = HeldTriton()
     load = LoadReport(target=2, max_objects=1)
     front = FrontEnd("127.0.0.1", free_port(), triton.port, deploy.new_admin_key(), load=load).start()
@@ -181,6 +181,14 @@ def test_every_rest_answer_carries_the_servers_load_and_it_follows_the_requests_
         status, headers = rest(front.port, GENERATE, b'{"PROMPT": "busy"}')
         assert status == 503 and parse_text(headers[load_report.HEADER])["application_utilization"] == 0.5
         assert parse_text(rest(front.port, deploy.READY_PATH)[1][load_report.HEADER])["eps"] > 0
+        # A generation's recent time: from the answered ones only (a refusal's quick answer is none).
+        seconds = f"named_metrics.{load_report.SECONDS_METRIC}"
+        before = parse_text(rest(front.port, deploy.READY_PATH)[1][load_report.HEADER])[seconds]
+        assert before > 0
+        for body in (b'{"PROMPT": "bad"}', b'{"PROMPT": "busy"}'):
+            triton.release()
+            assert rest(front.port, GENERATE, body)[0] in (400, 503)
+        assert parse_text(rest(front.port, deploy.READY_PATH)[1][load_report.HEADER])[seconds] == before
     finally:
         front.stop()
         triton.stop()

@@ -3,8 +3,8 @@ set in Envoy's runtime (gateway/envoy.py: each region's cluster is drawn by its 
 
 Why not Envoy's own policy: 1.40's load_aware_locality (work in progress upstream) shares the
 regions in proportion to their headroom, so a slow near region that is not full keeps about a
-third of the requests, and those set the p99 (measured: BENCHMARKS.md, "Static priority vs
-load-aware routing"). A request's latency is its region's round trip plus the time a generation
+third of the requests, and those set the p99 (measured: BENCHMARKS.md, "Regions: static priority
+vs load-aware routing"). A request's latency is its region's round trip plus the time a generation
 takes there, queueing included, and the p99 is set by the worst 1 %: the region that promises
 the lowest latency should take nearly everything.
 
@@ -51,7 +51,7 @@ SWITCH_MARGIN = 0.2
 HOLD_S = 2.0  # a choice stays at least this long (a burst past one region's capacity moves it back and forth)
 DOWN_AFTER = 2  # polls unanswered in a row before a server counts as down (one lost poll is not)
 RTT_SAMPLES = 20  # a server's round trip: the least of its last this many polls (10 s)
-TOTAL_WEIGHT = 10000  # Envoy's locality weights are integers (at least 1)
+TOTAL_WEIGHT = 10000  # the regions' weights together (Envoy's route weights are integers, here at least 1)
 
 
 def parse_report(value: str | None) -> dict[str, float]:

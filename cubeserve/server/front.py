@@ -468,16 +468,16 @@ class FrontEnd(LoopThread):
         if kind not in GENERATIONS:
             return await self._forward(request, headers, body)
         started = self.load.started()  # in progress until its answer has ended
-        failed = False
+        failed = done = False
         try:
             response = await self._forward(request, headers, body)
-            failed = response.status >= 500
+            failed, done = response.status >= 500, response.status < 400
             return response
         except Refused as exc:
             failed = exc.status >= 500
             raise
-        finally:
-            self.load.finished(failed, started)
+        finally:  # only a generation's own time counts for its time (a refusal is quick)
+            self.load.finished(failed, started if done else None)
 
     async def _read(self, request: web.Request, limit: int, counted: bool = True) -> bytes:
         """The body, at most `limit` bytes (413 past it, before reading it all), within

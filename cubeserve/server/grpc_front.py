@@ -278,11 +278,12 @@ class GrpcFrontEnd(LoopThread):
     async def _call(self, method: str, raw: bytes, metadata: list, context: grpc.aio.ServicerContext) -> bytes:
         """The call forwarded; its answer (or error) ends with the load report, taken while a
         ModelInfer still counts as in progress."""
-        counted, failed, started = method == INFER, False, None
+        counted, failed, started, done = method == INFER, False, None, False
         if counted:
             started = self.load.started()
         try:
             reply = await self._channel.unary_unary(method)(raw, metadata=metadata, timeout=context.time_remaining())
+            done = True
             context.set_trailing_metadata(self.load.trailing_metadata())
             return reply
         except grpc.aio.AioRpcError as exc:
@@ -290,8 +291,8 @@ class GrpcFrontEnd(LoopThread):
             failed = code in _FAILED
             await context.abort(code, details, self.load.trailing_metadata())
         finally:
-            if counted:
-                self.load.finished(failed, started)
+            if counted:  # only a generation's own time counts for its time (a refusal is quick)
+                self.load.finished(failed, started if done else None)
 
     async def _stream(self, requests, context: grpc.aio.ServicerContext):
         """ModelStreamInfer: each request checked on its way up; a refused one is answered with an

@@ -98,7 +98,7 @@ class LoadReport:
 
     def finished(self, failed: bool = False, started: float | None = None) -> None:
         """Its answer ended (`failed`: on the server's side; `started`: what started() returned,
-        for the time it took, where the caller kept it)."""
+        given for a generation answered in full only: its time goes into `seconds`)."""
         with self._lock:
             now = self._clock()
             self.in_progress = max(self.in_progress - 1, 0)
