@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from bench import load
+from serving_helpers import wait_until
 
 
 def check(figures: dict) -> None:
@@ -49,6 +51,9 @@ def test_process_tree_walks_every_level():
     try:
         grandchild = int(child.stdout.readline())
         from cubeserve.serving.stubs import process_tree
+
+        # sh prints $! as soon as it forks: wait for the grandchild to be sleep, past its exec
+        wait_until(lambda: Path(f"/proc/{grandchild}/cmdline").read_bytes().startswith(b"sleep\0"), 10, "sleep started")
 
         tree = process_tree(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree and grandchild in tree
