@@ -1,10 +1,11 @@
-"""k8s/Dockerfile built for real, for tests/test_image.py: Debian's podman (no daemon), as root,
+"""k8s/Dockerfile built for real, for tests/test_image.py and tests/node_stack.py: Debian's podman (no daemon), as root,
 on a base made here, since no registry's images can be pulled on these machines.
 
 - The base: a Debian bookworm root filesystem with python3, python3-venv and python3-pip
   (`debootstrap --variant=minbase`, from the mirror the host's apt uses), imported with `podman
-  import` as BASE_TAG and kept between runs. `podman build --from BASE_TAG` puts it in place of
-  the Dockerfile's FROM image (Triton's), without editing the Dockerfile.
+  import` as BASE_TAG and kept between runs; TRITON_BASE_TAG adds tritonserver and its python
+  backend from the tests' nvidia-pytriton. `podman build --from TRITON_BASE_TAG` puts it in place
+  of the Dockerfile's FROM image (Triton's), without editing the Dockerfile.
 - `podman build --isolation=chroot`: podman's OCI runtime cannot start containers on these
   machines (`podman run`: "setrlimit RLIMIT_NOFILE: Operation not permitted"); chroot isolation
   runs the RUN lines without one.
@@ -17,8 +18,8 @@ on a base made here, since no registry's images can be pulled on these machines.
   machine is written here: all of it is read at test time. (The mount points stay in the test
   image as empty files and folders: /etc/pip.conf, /opt/wheels, ...)
 - `--layers=false`: no layer cache. Every source change would miss it anyway from the package
-  install on, and each kept layer set costs about 1 GB of disk per run; the one image is removed
-  after the session. podman's default storage (overlay, as root) is used: it works on these
+  install on, and each kept layer set costs about 1 GB of disk per run. The one runtime image
+  (RUNTIME_IMAGE) is kept for the node tests and replaced when what it is built from changes. podman's default storage (overlay, as root) is used: it works on these
   machines, and the base stays in it between runs.
 
 Nothing here runs a container; the built image is checked by building a second image FROM it
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import configparser
+import hashlib
 import inspect
 import os
 import re
@@ -306,18 +308,55 @@ def pip_conf_and_mounts(sections: dict[str, dict[str, str]]) -> tuple[str, list[
 
 # -- the build ------------------------------------------------------------------------------------------
 
-def build_image(tag: str, base: str, workdir: Path, log: Path, context: Path = REPO) -> subprocess.CompletedProcess:
+def build_image(tag: str, base: str, workdir: Path, log: Path, context: Path = REPO,
+                labels: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`podman build -f k8s/Dockerfile` with `context` (the repository root, or a snapshot of it)
     as context, which podman filters by k8s/Dockerfile.dockerignore, FROM `base`, with the host's
-    pip settings."""
+    pip settings and `labels`."""
     conf, mounts = pip_conf_and_mounts(host_pip_config())
     (workdir / "pip.conf").write_text(conf)
     volumes = [f"--volume={workdir / 'pip.conf'}:/etc/pip.conf:ro"]
     volumes += [f"--volume={p}:{p}:ro" for p in mounts]
+    label_flags = [f"--label={k}={v}" for k, v in (labels or {}).items()]
     with log.open("w") as f:
         return podman_build([*BUILD_FLAGS, "--from", base, "-f", str(context / DOCKERFILE.relative_to(REPO)),
-                             "-t", tag, *volumes, str(context)], stdout=f, stderr=subprocess.STDOUT, text=True,
+                             "-t", tag, *label_flags, *volumes, str(context)], stdout=f, stderr=subprocess.STDOUT, text=True,
                             timeout=2400)
+
+
+# The runtime image the tests build from k8s/Dockerfile FROM the Triton base: `make image-test` builds
+# it (tests/test_image.py), `make node-test` runs it as KServe's pods (tests/node_stack.py) and
+# finds it built while its inputs are the same. Not `latest`: the pods' IfNotPresent never pulls it.
+RUNTIME_IMAGE = "localhost/cube-serve-runtime:current"
+BUILD_INPUT_LABEL = "io.cube-serve.build-input"
+
+
+def build_input(base: str, context: Path) -> str:
+    """A digest of what an image built from `context` FROM `base` is made of: the base image's
+    ID, the Dockerfile and every file the ignore file lets into the context, by content."""
+    digest = hashlib.sha256(image_id(base).encode() + b"\0" + (context / DOCKERFILE.relative_to(REPO)).read_bytes())
+    for rel in sorted(context_files(context, dockerignore_patterns(context / IGNORE_FILE.relative_to(REPO)))):
+        digest.update(f"\0{rel}\0".encode() + hashlib.sha256((context / rel).read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def runtime_image(workdir: Path, context: Path = REPO) -> bool:
+    """RUNTIME_IMAGE built from `context` (the repository, or a snapshot of it) FROM the Triton
+    base, unless the one in podman's store was built from the same input; False if it was reused.
+    The image it replaces is removed (each is about 7 GB)."""
+    base = ensure_triton_base(workdir / "base")
+    wanted = build_input(base, context)
+    old = image_id(RUNTIME_IMAGE) if image_exists(RUNTIME_IMAGE) else None
+    if old and podman("image", "inspect", "--format", f'{{{{index .Labels "{BUILD_INPUT_LABEL}"}}}}',
+                      RUNTIME_IMAGE).stdout.strip() == wanted:
+        return False
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "build.log"
+    result = build_image(RUNTIME_IMAGE, base, workdir, log, context, labels={BUILD_INPUT_LABEL: wanted})
+    assert result.returncode == 0, f"podman build -f k8s/Dockerfile failed:\n{log.read_text()[-5000:]}"
+    if old and old != image_id(RUNTIME_IMAGE):
+        remove_image(old)
+    return True
 
 
 def build_probe(image: str, containerfile: str, workdir: Path, tag: str) -> subprocess.CompletedProcess:

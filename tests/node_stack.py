@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 import cluster_stack as cs
+from image_build import RUNTIME_IMAGE  # k8s/Dockerfile FROM the Triton base, as `make image-test` builds it
 
 build = cs.build
 
@@ -84,7 +85,6 @@ def pause_image(workdir: Path) -> str:
     return PAUSE_IMAGE
 
 
-RUNTIME_IMAGE = "localhost/cube-serve-node-test:current"  # not `latest`: IfNotPresent, never pulled
 
 
 def storage_initializer_ref(release: str) -> str:
@@ -134,26 +134,19 @@ def storage_initializer_image(workdir: Path, release: str) -> str:
 
 
 def build_images(workdir: Path, say=print) -> None:
-    """The pause image, KServe's storage initializer and k8s/Dockerfile built FROM the Triton base,
-    as RUNTIME_IMAGE (the one it replaces removed). Outside the tests' network namespace (`make
-    node-test` runs this first): the images' pip installs reach the package index, which nothing
-    inside the namespace can."""
+    """The pause image, KServe's storage initializer and the runtime image (k8s/Dockerfile FROM the
+    Triton base, RUNTIME_IMAGE: `make image-test` leaves it built). Outside the tests' network
+    namespace (`make node-test` runs this first): the images' pip installs reach the package
+    index, which nothing inside the namespace can."""
     import image_build as ib
 
     ib.require_podman()
     t0 = time.monotonic()
     pause_image(workdir / "pause")
     storage_initializer_image(workdir / "storage-initializer", cs.build.kserve_releases()[0])
-    base = ib.ensure_triton_base(workdir / "base")
-    old = ib.image_id(RUNTIME_IMAGE) if ib.image_exists(RUNTIME_IMAGE) else None
-    log = workdir / "image-build.log"
-    result = ib.build_image(RUNTIME_IMAGE, base, workdir, log)
-    if result.returncode:
-        raise SystemExit(f"podman build -f k8s/Dockerfile failed:\n{log.read_text()[-5000:]}")
-    if old and old != ib.image_id(RUNTIME_IMAGE):
-        ib.remove_image(old)
-    say(f"{RUNTIME_IMAGE} (k8s/Dockerfile FROM {base}), {PAUSE_IMAGE} and KServe's storage initializer built in "
-        f"{time.monotonic() - t0:.0f} s")
+    built = ib.runtime_image(workdir)
+    say(f"{RUNTIME_IMAGE} ({'built' if built else 'built already, from the same input'}), {PAUSE_IMAGE} and "
+        f"KServe's storage initializer ready in {time.monotonic() - t0:.0f} s")
 
 
 # -- the node -------------------------------------------------------------------------------------

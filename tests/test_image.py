@@ -5,8 +5,9 @@
   outputs, weights, bytecode) stays out. Static, by the Docker SDK's .dockerignore matcher (the
   `docker` package, which mlflow brings into the test environment).
 - The build: podman builds k8s/Dockerfile, with its ignore file, from a snapshot of the working
-  tree, on a Debian bookworm base made here with debootstrap in place of Triton's image (no
-  registry can be pulled on these machines; tests/image_build.py says how and why). The image's
+  tree, on a Debian bookworm base made here with debootstrap and tritonserver from nvidia-pytriton
+  in place of Triton's image (no registry can be pulled on these machines; tests/image_build.py
+  says how and why). The image's
   files under WORKDIR are exactly what the matcher above predicts from the COPY lines, its
   config is the Dockerfile's, and a second image built FROM it, as the image's user, in an empty
   folder, imports every module each pipeline step imports and runs kfp's executor
@@ -17,9 +18,10 @@
   torch's CUDA stack (the tests' torch is the CPU wheel).
 
 The build needs root, podman and debootstrap (installed with apt-get when missing; .ci/run
-installs them); the base is made once (about 2 minutes) and kept as a podman image, the image is
-built once per session (about 4 minutes on 2 cores) and removed after it. `make image-test` runs
-this module (marker `image`); `make test` leaves it out.
+installs them); the base is made once (about 3 minutes) and kept as a podman image, the image
+(about 4 minutes on 2 cores) is kept as the runtime image `make node-test` runs, built again when
+what it is built from changes. `make image-test` runs this module (marker `image`); `make test`
+leaves it out.
 """
 
 from __future__ import annotations
@@ -92,26 +94,18 @@ def test_the_ignore_file_keeps_local_state_out_of_the_context(context):
 class Built:
     tag: str
     id: str
-    log: Path
     root: Path  # the snapshot it was built from
 
 
 @pytest.fixture(scope="module")
 def built(context, resolutions, tmp_path_factory):
+    """The runtime image built from the snapshot (the one in podman's store if built from the same
+    input), kept for `make node-test`."""
     ib.require_podman()
     ib.remove_stale_images("localhost/cube-serve-test", "localhost/cube-serve-test-probe")
-    work = tmp_path_factory.mktemp("image")
-    base = ib.ensure_base(work)
     root, _, _ = context
-    tag = f"localhost/cube-serve-test:{os.getpid()}"
-    log = work / "build.log"
-    result = ib.build_image(tag, base, work, log, root)
-    assert result.returncode == 0, f"podman build -f k8s/Dockerfile failed:\n{log.read_text()[-5000:]}"
-    image = Built(tag, ib.image_id(tag), log, root)
-    try:
-        yield image
-    finally:
-        ib.remove_image(image.id)
+    ib.runtime_image(tmp_path_factory.mktemp("image"), root)
+    return Built(ib.RUNTIME_IMAGE, ib.image_id(ib.RUNTIME_IMAGE), root)
 
 
 def test_the_dockerfile_builds_with_its_config(built):
@@ -128,6 +122,20 @@ def test_the_dockerfile_builds_with_its_config(built):
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_kept_image_is_built_again_only_when_what_it_is_built_from_changes(built, tmp_path):
+    """`make node-test` runs the image this module built while its label still matches: a file the
+    ignore file keeps out changes nothing, a source file of the context does."""
+    label = ib.podman("image", "inspect", "--format", f'{{{{index .Labels "{ib.BUILD_INPUT_LABEL}"}}}}',
+                      built.id).stdout.strip()
+    assert label == ib.build_input(ib.TRITON_BASE_TAG, built.root)
+    root = shutil.copytree(built.root, tmp_path / "context")
+    (root / "outputs" / "planted.glb").write_bytes(b"another mesh")  # out of the context
+    assert ib.build_input(ib.TRITON_BASE_TAG, root) == label
+    with (root / "cubeserve" / "__init__.py").open("a") as f:
+        f.write("# a change\n")
+    assert ib.build_input(ib.TRITON_BASE_TAG, root) != label
 
 
 def test_the_image_holds_exactly_what_the_copies_take_from_the_context(built, context):
