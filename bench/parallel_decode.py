@@ -1,7 +1,8 @@
 """Parallel token generation by window (Jacobi) decoding (`cubeserve/engine/window.py`) against
-one token per forward, side by side in one run: greedy, float32, on the CPU.
+one token per forward, side by side in one run: greedy, float32, on the CPU (or a GPU).
 
     python -m bench.parallel_decode [--prompts 50] [--windows 1,4,8,16,32] [--threads 1] [--quick] [--no-markdown]
+    python -m bench.parallel_decode --device cuda --configs demo,v0.1 --prompts 4 --windows 1,4,16 --flights 1
 
 Configs: the trained demo model (models/demo) and the tiny configs with random weights (tiny,
 tiny-bbox). Prompts are the demo data's (`demo.shapes.sample_shapes`), decoded one object at a
@@ -14,7 +15,12 @@ over groups: a shared machine's descheduling makes outliers), and decode wall cl
 window 1. One OpenMP thread by default: these models' ops are too
 small for a second, and on a shared machine a team of two waits at every barrier for a
 descheduled thread (BENCHMARKS.md, `bench.decode_paths`). Writes bench/results.json (section
-"parallel_decode") and BENCHMARKS.md's `parallel-decode` section.
+"parallel_decode") and BENCHMARKS.md's `parallel-decode` section (`parallel-decode-gpu` on CUDA).
+
+On CUDA (bench/gpu_check.sh) window 1 replays the decode graphs as the server does and wider
+windows run eagerly (`window_check.measure`); the full shapes (v0.1, v0.5) get random weights
+built on the device (their acceptance means nothing: what counts there is a forward's time
+against its window), the demo model its own.
 """
 
 from __future__ import annotations
@@ -39,16 +45,21 @@ FLIGHTS = (1, 8)
 CONFIGS = ("demo", "tiny", "tiny-bbox")
 
 
-def engine_of(config: str, tmp: str, threads: int):
+def engine_of(config: str, tmp: str, threads: int, device: torch.device, dtype: str):
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.engine import Engine
 
+    if config != "demo" and device.type == "cuda":  # the full shapes' weights are not written out
+        from bench.engine_speed import build_engine
+
+        return build_engine(config, device, getattr(torch, dtype))
     weights = DEMO_MODEL if config == "demo" else write_random_weights(config, Path(tmp) / config, seed=0)
-    return Engine.from_dir(weights, device="cpu", dtype="float32", cpu_threads=threads)
+    return Engine.from_dir(weights, device=str(device), dtype=dtype, cpu_threads=threads)
 
 
 def run(config: str, prompts: list[str], windows: tuple[int, ...], threads: int = 1,
-        flights: tuple[int, ...] = FLIGHTS) -> tuple[list[Record], list[str]]:
+        flights: tuple[int, ...] = FLIGHTS, device: torch.device = torch.device("cpu"),
+        dtype: str = "float32") -> tuple[list[Record], list[str]]:
     """Every window at every number of objects in flight (`cubeserve.engine.window_check.measure`:
     prompts decoded in groups of that many, admitted together, which finish at the forward of
     their slowest), compared with sequential decoding."""
@@ -56,7 +67,7 @@ def run(config: str, prompts: list[str], windows: tuple[int, ...], threads: int 
     from cubeserve.engine.window_check import measure
 
     with tempfile.TemporaryDirectory() as tmp:
-        engine = engine_of(config, tmp, threads)
+        engine = engine_of(config, tmp, threads, device, dtype)
     n = engine.cfg.num_tokens
     requests = [GenerationRequest(p) for p in prompts]
     # Sequential decoding, one object at a time: the tokens every window must give.
@@ -65,12 +76,12 @@ def run(config: str, prompts: list[str], windows: tuple[int, ...], threads: int 
     for flight in flights:
         for f in measure(engine, requests, windows, flight, reference=sequential):
             wall = f.wall_s_per_object
-            records.append(Record("parallel_decode", hardware(torch.device("cpu")), config, f"window {f.window}",
+            records.append(Record("parallel_decode", hardware(device), config, f"window {f.window}",
                                   flight, ms_per_token=wall / n * 1e3, objects_per_second=1 / wall,
                                   extra={"tokens_per_forward": f.tokens_per_forward,
                                          "forwards_per_group": f.forwards_per_group,
                                          "identical_share": f.identical_share, "wall_s_per_object": wall,
-                                         "threads": threads, "wall_vs_window_1": f.wall_vs_window_1,
+                                         "threads": threads, "dtype": dtype, "wall_vs_window_1": f.wall_vs_window_1,
                                          "objects": f.objects, "tokens": n, "forward_s_median": f.forward_s_median}))
             rows.append(f"| {config} | {flight} | {f.window} | {f.tokens_per_forward:.2f} | {f.forwards_per_group:.1f} "
                         f"({min(f.forwards)}-{max(f.forwards)}) | {f.identical}/{f.objects} | "
@@ -85,6 +96,11 @@ def main() -> None:
     parser.add_argument("--windows", default="1,4,8,16,32", help="decode windows, comma-separated; 1 comes first")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="demo, tiny, tiny-bbox (or any preset)")
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads (default 1)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="the weights' and activations' type (default float32: bfloat16's rounding can "
+                             "break a tie differently at another window width)")
+    parser.add_argument("--flights", default=",".join(map(str, FLIGHTS)), help="objects in flight, comma-separated")
     parser.add_argument("--quick", action="store_true", help="8 prompts per config (a smoke run)")
     parser.add_argument("--no-markdown", action="store_true", help="do not write BENCHMARKS.md or results.json")
     args = parser.parse_args()
@@ -93,27 +109,36 @@ def main() -> None:
     count = 8 if args.quick else args.prompts
     prompts = default_prompts(count)
     windows = windows_of(int(w) for w in args.windows.split(","))
-    cpu = hardware(torch.device("cpu"))
+    flights = tuple(int(f) for f in args.flights.split(","))
+    device = torch.device(args.device)
+    machine = hardware(device)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     load = os.getloadavg()[0]  # before anything of this run starts: other users' work
-    print(f"# {cpu}, torch {torch.__version__}, {args.threads} threads, {count} prompts, load {load:.1f}", flush=True)
+    print(f"# {machine}, torch {torch.__version__}, {args.dtype}, {args.threads} threads, {count} prompts, "
+          f"load {load:.1f}", flush=True)
     records, rows = [], []
     for config in args.configs.split(","):
-        r, lines = run(config, prompts, windows, args.threads)
+        r, lines = run(config, prompts, windows, args.threads, flights, device, args.dtype)
         records += r
         rows += lines
+    cuda = device.type == "cuda"
+    command = " ".join(["python -m bench.parallel_decode", "--quick" if args.quick else f"--prompts {count}",
+                        *(f"--{k} {v}" for k, v in (("device", args.device), ("dtype", args.dtype),
+                                                    ("configs", args.configs), ("windows", args.windows),
+                                                    ("flights", args.flights)) if v != parser.get_default(k))])
+    grouped = " or ".join(f"in groups of {f} admitted together" for f in flights if f > 1)
     lines = [
-        f"`python -m bench.parallel_decode{' --quick' if args.quick else f' --prompts {count}'}`, measured {when} "
-        f"on {cpu}, torch {torch.__version__}, {args.threads} OpenMP thread(s), the machine's 1-minute load "
-        f"average {load:.1f} when the run began (other users' work): float32, greedy, guidance 3, "
-        f"{count} prompts of the demo data per config, decoded one at a time (in flight 1) or in groups of 8 "
-        f"admitted together (in flight 8: a group takes the forwards of its slowest object); every group runs "
-        f"every window in turn. Tokens per forward: an object's tokens over the forwards it takes part in, over "
-        f"all objects; forwards per group: mean (min-max); identical: objects whose tokens equal sequential "
-        f"decoding's, one object at a time; ms per forward: a group's forwards (admission excluded) over their "
-        f"number, the median over groups; wall: decode time (admission, CLIP and prefill included, to the last "
-        f"token) of all groups over all objects; speed-up: window 1's wall over this "
-        f"window's, same config and objects in flight.",
+        f"`{command}`, measured {when} on {machine}, torch {torch.__version__}, "
+        + ("window 1 replaying the decode graphs, wider windows eager" if cuda else f"{args.threads} OpenMP thread(s)")
+        + f", the machine's 1-minute load average {load:.1f} when the run began (other users' work): {args.dtype}, "
+        f"greedy, guidance 3, {count} prompts of the demo data per config, decoded one at a time (in flight 1)"
+        + (f" or {grouped} (a group takes the forwards of its slowest object)" if grouped else "")
+        + "; every group runs every window in turn. Tokens per forward: an object's tokens over the forwards it "
+        "takes part in, over all objects; forwards per group: mean (min-max); identical: objects whose tokens "
+        "equal sequential decoding's, one object at a time; ms per forward: a group's forwards (admission "
+        "excluded) over their number, the median over groups; wall: decode time (admission, CLIP and prefill "
+        "included, to the last token) of all groups over all objects; speed-up: window 1's wall over this "
+        "window's, same config and objects in flight.",
         "",
         "| config | in flight | window | tokens per forward | forwards per group | identical to sequential | "
         "ms per forward | wall ms per object | speed-up vs window 1 |",
@@ -124,8 +149,8 @@ def main() -> None:
     if not args.no_markdown:
         from bench.__main__ import update_markdown
 
-        write_results(records, {"date": when, "hardware": cpu, "torch": torch.__version__})
-        update_markdown("parallel-decode", lines)
+        write_results(records, {"date": when, "hardware": machine, "torch": torch.__version__})
+        update_markdown("parallel-decode-gpu" if cuda else "parallel-decode", lines)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,22 @@ def test_the_gpu_checks_preflight_runs_the_engines_own_step(capsys):
     assert "preflight OK" in out
 
 
+def test_the_gpu_check_fits_its_device_time_and_keeps_each_figure_made():
+    """A lent GPU gives a session 15 minutes in all, start included, and the check runs with a
+    limit of 420 s: its parts' own limits add up to at most 6 minutes (so that a rerun fits), and
+    BENCHMARKS.md is copied to $OUT after each benchmark (a check cut off keeps what it made)."""
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh").read_text()
+    limits = [int(n) for n in re.findall(r"^timeout (\d+) ", script, flags=re.M)]
+    assert len(limits) >= 5 and sum(limits) <= 360, limits
+    benches = re.findall(r"^timeout \d+ python3 -m (bench\S*)", script, flags=re.M)
+    for bench in benches:
+        after = script[script.index(f"-m {bench}"):]
+        assert re.search(r"^save$", after, flags=re.M), f"{bench}: its figures are not copied to $OUT after it"
+
+
 def test_a_window_runner_steps_eagerly_on_its_device_and_captures_nothing(alone, make_engine, monkeypatch, run_steps):
     """Window decoding (decode_window > 1) ignores the graph buckets: its steps run eagerly under
     the runner's device, the host reading each forward's accepted counts, with the eager tokens."""
