@@ -12,7 +12,9 @@ Why this long: the engine's stub segfaulted under exactly this traffic (issue 56
 r24.10 freed a Python object without the GIL on every forward; triton_common.only_requested), first
 after 2.5 to 4.5 minutes, about one crash in 3.5 minutes over 25 minutes of runs on 2 cores (AMD
 EPYC and Intel Xeon, AVX-512): ten minutes miss such a fault about once in 17 runs.
-tests/test_response_outputs.py catches that one in seconds; this catches what load alone finds."""
+tests/test_response_outputs.py catches that one in seconds; this catches what load alone finds: the
+predict model's stub segfaulted once more after 9 minutes of it beside CI's Go builds (a BLS
+response freed by python_backend's own thread, without the GIL: triton_common.LetGoLater)."""
 
 from __future__ import annotations
 

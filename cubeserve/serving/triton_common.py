@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
+from collections import deque
+from contextlib import contextmanager
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -146,3 +149,55 @@ class Reply:
     def client_gone(self) -> bool:
         with self._lock:
             return not self._answered and self.request.is_cancelled()
+
+
+class LetGoLater:
+    """Holds what `hold` is given for `after_s` seconds, then lets it go on a Python thread of its
+    own (with the GIL); `now()` lets go of everything (finalize). `responses(bls)` reads a decoupled
+    BLS request's responses so.
+
+    What it is for: a decoupled BLS request's response iterator. python_backend r24.10 (the
+    Triton of nvidia-pytriton 0.7.0) keeps each iterator twice, as the Python object and in the
+    stub's map, whose entry its stub-to-parent thread erases some time after the last response
+    (pb_stub.cc, Stub::SendCleanupId). Whichever lets go last runs ~ResponseIterator, and with it
+    the responses' ~PbTensor, which drops their numpy arrays; that thread holds no GIL, and
+    r24.10's ~PbTensor does not take it (upstream does from r24.12, python_backend#390). An object
+    array of bytes (MESH, TIMINGS) freed there corrupts Python's allocator against the stub's
+    other threads: the predict model's stub segfaulted copying an object array after 9 minutes of
+    the soak's traffic. Held here for seconds, the iterator is let go by Python, long after the
+    map's entry is gone (a queue of IPC messages that takes milliseconds)."""
+
+    def __init__(self, after_s: float, name: str):
+        self.after_s = after_s
+        self._held: deque = deque()  # (due, object), oldest first
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def hold(self, obj) -> None:
+        with self._lock:
+            self._held.append((time.monotonic() + self.after_s, obj))
+
+    @contextmanager
+    def responses(self, bls):
+        """`bls.exec(decoupled=True)`'s responses, to read in the block; the iterator held here
+        after it, however the block ends."""
+        responses = bls.exec(decoupled=True)
+        try:
+            yield responses
+        finally:
+            self.hold(responses)
+
+    def _due(self, until: float) -> list:
+        with self._lock:
+            out = []
+            while self._held and self._held[0][0] <= until:
+                out.append(self._held.popleft()[1])
+            return out
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.after_s / 4))
+            self._due(time.monotonic()).clear()  # the last references: their destructors run here, with the GIL
+
+    def now(self) -> None:
+        self._due(float("inf")).clear()

@@ -42,13 +42,14 @@ from cubeserve.serving import metrics as metric_names
 from cubeserve.serving.experiment import Experiment
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
 from cubeserve.serving.stubs import release_backend_objects, started_at, stub_alive
-from cubeserve.serving.triton_common import Drain, Reply, error_response, parameters
+from cubeserve.serving.triton_common import Drain, LetGoLater, Reply, error_response, parameters
 from cubeserve.serving.triton_common import request_parameter as _parameter
 from cubeserve.serving.triton_metrics import Measurements
 
 ENGINE_TRACE_SERVICE = "cube3d-engine"  # the engine's spans' service name (cubeserve/tracing.py)
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks at the waiting forwards
 RETRY_EXPERIMENT_S = 2.0  # how often an experiment naming versions not loaded yet is tried again
+BLS_HOLD_S = 5.0  # a forward's response iterator, held after its last response (triton_common.LetGoLater)
 # The outputs the engine gives a forward (PROGRESS is for streams; ARM is this model's).
 ENGINE_OUTPUTS = [n for n in protocol.OUTPUTS if n not in ("PROGRESS", "ARM")]
 
@@ -209,6 +210,7 @@ class PredictModel:
                                             os.environ.get(experiment.EXPERIMENT_FILE_ENV, ""), self.engine_model)
         self.watchdog = threading.Thread(target=self._watch, name="cube3d-watchdog", daemon=True)
         self.watchdog.start()
+        self.iterators = LetGoLater(BLS_HOLD_S, "cube3d-let-go")
 
     def execute(self, requests):
         for request in requests:
@@ -359,25 +361,34 @@ class PredictModel:
             # accepted here: the engine takes it even while draining; the arm labels its measurements
             parameters={FORWARDED_PARAMETER: True, ARM_PARAMETER: forward.arm, **forward.queue},
         )
+        with self.iterators.responses(bls) as responses:  # let go by Python, not by the stub (LetGoLater)
+            outcome, answer = self._read(forward, responses)
+        if outcome != metric_names.OK:
+            return outcome, answer, None
+        outputs = {t.name(): t.as_numpy() for t in answer.output_tensors()} if keep_outputs else None
+        return outcome, answer, outputs
+
+    def _read(self, forward: Forward | ShadowCopy, responses):
+        """The engine's responses to a forward read to the end: (outcome, the final response or an
+        error response)."""
         final = None
-        for response in bls.exec(decoupled=True):
+        for response in responses:
             if response.has_error():
                 message = response.error().message()
                 if not self._engine_loaded(forward.version):  # unloaded, or unloading: not now
                     return metric_names.UNAVAILABLE, error_response(str(Unavailable(
                         f"{self.engine_model} version {forward.version} is not loaded (unloaded, or being "
-                        f"loaded again): retry")), "unavailable"), None
+                        f"loaded again): retry")), "unavailable")
                 if not self._engine_alive(forward.version):
-                    return metric_names.UNAVAILABLE, self._engine_gone_error(forward.version), None
+                    return metric_names.UNAVAILABLE, self._engine_gone_error(forward.version)
                 kind = protocol.error_kind(message)
-                return metric_names.OUTCOME_OF_ERROR[kind], error_response(message, kind), None
+                return metric_names.OUTCOME_OF_ERROR[kind], error_response(message, kind)
             if response.output_tensors():
                 final = response
         if final is None:
             return metric_names.CANCELLED, error_response(str(Unavailable(
-                "cancelled: the client went away before the mesh was ready")), "unavailable"), None
-        outputs = {t.name(): t.as_numpy() for t in final.output_tensors()} if keep_outputs else None
-        return metric_names.OK, final, outputs
+                "cancelled: the client went away before the mesh was ready")), "unavailable")
+        return metric_names.OK, final
 
     def _relay(self, forward: Forward, keep_outputs: bool):
         request = forward.request
@@ -526,4 +537,5 @@ class PredictModel:
         self.watchdog.join(2 * WATCH_INTERVAL_S)
         with self.pending_lock:
             self.pending.clear()
+        self.iterators.now()
         release_backend_objects()
