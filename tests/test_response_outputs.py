@@ -173,7 +173,7 @@ def test_the_engines_answers_are_freed_by_python_threads_and_the_predict_model_s
     responses' arrays with it: the predict model's stub segfaulted after 9 minutes of the soak.
     Here the real server under 16 clients for 30 s, the predict model watching where each of the
     engine's answers is freed: with the iterators let go by Python, never by the stub's own
-    threads. Without that, the watched stub died in about half of such 20-second runs (and in
+    threads. Without that, the watched stub died in a third of such 20-second runs (and in
     three of three 90-second soaks, within 15 s); the soak (tests/test_soak.py) is the longer check."""
     from cube3d_client import Cube3DClient
     from cubeserve import deploy
