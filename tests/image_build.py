@@ -1,5 +1,6 @@
-"""k8s/Dockerfile built for real, for tests/test_image.py and tests/node_stack.py: Debian's podman (no daemon), as root,
-on a base made here, since no registry's images can be pulled on these machines.
+"""k8s/Dockerfile built for real, for tests/test_image.py and tests/node_stack.py: Debian's podman
+(no daemon), as root, on a base made here, since no registry's images can be pulled on these
+machines.
 
 - The base: a Debian bookworm root filesystem with python3, python3-venv and python3-pip
   (`debootstrap --variant=minbase`, from the mirror the host's apt uses), imported with `podman
@@ -19,8 +20,9 @@ on a base made here, since no registry's images can be pulled on these machines.
   image as empty files and folders: /etc/pip.conf, /opt/wheels, ...)
 - `--layers=false`: no layer cache. Every source change would miss it anyway from the package
   install on, and each kept layer set costs about 1 GB of disk per run. The one runtime image
-  (RUNTIME_IMAGE) is kept for the node tests and replaced when what it is built from changes. podman's default storage (overlay, as root) is used: it works on these
-  machines, and the base stays in it between runs.
+  (RUNTIME_IMAGE) is kept for the node tests and replaced when what it is built from changes.
+  podman's default storage (overlay, as root) is used: it works on these machines, and the bases
+  stay in it between runs.
 
 Nothing here runs a container; the built image is checked by building a second image FROM it
 whose RUN lines do the checking (the output of RUN lines is in the build's output).
@@ -320,8 +322,8 @@ def build_image(tag: str, base: str, workdir: Path, log: Path, context: Path = R
     label_flags = [f"--label={k}={v}" for k, v in (labels or {}).items()]
     with log.open("w") as f:
         return podman_build([*BUILD_FLAGS, "--from", base, "-f", str(context / DOCKERFILE.relative_to(REPO)),
-                             "-t", tag, *label_flags, *volumes, str(context)], stdout=f, stderr=subprocess.STDOUT, text=True,
-                            timeout=2400)
+                             "-t", tag, *label_flags, *volumes, str(context)],
+                            stdout=f, stderr=subprocess.STDOUT, text=True, timeout=2400)
 
 
 # The runtime image the tests build from k8s/Dockerfile FROM the Triton base: `make image-test` builds
@@ -333,11 +335,17 @@ BUILD_INPUT_LABEL = "io.cube-serve.build-input"
 
 def build_input(base: str, context: Path) -> str:
     """A digest of what an image built from `context` FROM `base` is made of: the base image's
-    ID, the Dockerfile and every file the ignore file lets into the context, by content."""
+    ID, the Dockerfile and every file the ignore file lets into the context, by content. (Not the
+    host's pip settings: a change of those alone reuses the image.)"""
     digest = hashlib.sha256(image_id(base).encode() + b"\0" + (context / DOCKERFILE.relative_to(REPO)).read_bytes())
     for rel in sorted(context_files(context, dockerignore_patterns(context / IGNORE_FILE.relative_to(REPO)))):
         digest.update(f"\0{rel}\0".encode() + hashlib.sha256((context / rel).read_bytes()).digest())
     return digest.hexdigest()
+
+
+def built_from(ref: str) -> str:
+    """The build_input an image was labelled with ("" if none)."""
+    return podman("image", "inspect", "--format", f'{{{{index .Labels "{BUILD_INPUT_LABEL}"}}}}', ref).stdout.strip()
 
 
 def runtime_image(workdir: Path, context: Path = REPO) -> bool:
@@ -347,8 +355,7 @@ def runtime_image(workdir: Path, context: Path = REPO) -> bool:
     base = ensure_triton_base(workdir / "base")
     wanted = build_input(base, context)
     old = image_id(RUNTIME_IMAGE) if image_exists(RUNTIME_IMAGE) else None
-    if old and podman("image", "inspect", "--format", f'{{{{index .Labels "{BUILD_INPUT_LABEL}"}}}}',
-                      RUNTIME_IMAGE).stdout.strip() == wanted:
+    if old and built_from(RUNTIME_IMAGE) == wanted:
         return False
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "build.log"

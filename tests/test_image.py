@@ -127,8 +127,7 @@ def _sha(path: Path) -> str:
 def test_the_kept_image_is_built_again_only_when_what_it_is_built_from_changes(built, tmp_path):
     """`make node-test` runs the image this module built while its label still matches: a file the
     ignore file keeps out changes nothing, a source file of the context does."""
-    label = ib.podman("image", "inspect", "--format", f'{{{{index .Labels "{ib.BUILD_INPUT_LABEL}"}}}}',
-                      built.id).stdout.strip()
+    label = ib.built_from(built.id)
     assert label == ib.build_input(ib.TRITON_BASE_TAG, built.root)
     root = shutil.copytree(built.root, tmp_path / "context")
     (root / "outputs" / "planted.glb").write_bytes(b"another mesh")  # out of the context
