@@ -254,16 +254,28 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
         """Copies `ref` from podman's store into containerd's k8s.io namespace (the CRI's);
         returns the seconds it took."""
         t0 = time.monotonic()
-        save = subprocess.Popen(["podman", "save", "--format", "oci-archive", ref], stdout=subprocess.PIPE)
-        try:
-            # The layers' blobs go once unpacked: the runtime image is 7 GB, unpacked as well.
-            self.ctr("images", "import", "--snapshotter=overlayfs", "--local", "--discard-unpacked-layers", "-",
-                     stdin=save.stdout, timeout=1200)
-        finally:
-            save.stdout.close()
-            code = save.wait(60)
-        if code:
-            raise cs.StackError(f"podman save {ref} failed ({code})")
+        # podman writes the whole archive to a temporary directory before it streams it (10 GB for
+        # the runtime image): that goes beside containerd's root, on the disk the node has and gone
+        # with it, not in the machine's /var/tmp.
+        tmp = self.root / "podman-tmp"
+        tmp.mkdir(exist_ok=True)
+        with open(tmp.with_suffix(".log"), "w+") as log:
+            save = subprocess.Popen(["podman", "save", "--format", "oci-archive", ref], stdout=subprocess.PIPE,
+                                    stderr=log, env={**os.environ, "TMPDIR": str(tmp)})
+            try:
+                # The layers' blobs go once unpacked: the runtime image is 7 GB, unpacked as well.
+                imported = self.ctr("images", "import", "--snapshotter=overlayfs", "--local",
+                                    "--discard-unpacked-layers", "-", stdin=save.stdout, timeout=1200, check=False)
+            finally:
+                save.stdout.close()
+                code = save.wait(60)
+                shutil.rmtree(tmp, ignore_errors=True)
+            if code or imported.returncode:
+                log.seek(0)
+                free = shutil.disk_usage(self.root).free / 2**30
+                raise cs.StackError(f"{ref} not moved into containerd: podman save exited {code}: {log.read()[-2000:]}"
+                                    f"ctr images import exited {imported.returncode}: {imported.stderr[-2000:]}"
+                                    f"({free:.1f} GiB free where containerd and podman's copy are)")
         return time.monotonic() - t0
 
     def _kubelet(self) -> None:
