@@ -14,7 +14,9 @@ after 2.5 to 4.5 minutes, about one crash in 3.5 minutes over 25 minutes of runs
 EPYC and Intel Xeon, AVX-512): ten minutes miss such a fault about once in 17 runs.
 tests/test_response_outputs.py catches that one in seconds; this catches what load alone finds: the
 predict model's stub segfaulted once more after 9 minutes of it beside CI's Go builds (a BLS
-response freed by python_backend's own thread, without the GIL: triton_common.LetGoLater)."""
+response freed by python_backend's own thread, without the GIL: triton_common.LetGoLater), and
+in another such run the engine's stub grew 45 MiB over the second half, every request's answer
+kept until the cyclic collector's seldom full pass (tests/test_stub_memory.py)."""
 
 from __future__ import annotations
 
