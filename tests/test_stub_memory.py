@@ -9,9 +9,10 @@ minutes, past its bound).
 
 Here both models run as shipped, subclassed only to turn the cyclic collector off once they are
 ready and to log, as each request comes in, how many objects of the request path's own types
-(cubeserve's, futures, python_backend's requests and responses) are alive: a cycle made per
-request grows that number with every request; what the models hold on purpose (the predict
-model's forwards, let go after `triton_common.LetGoLater`'s hold) stops growing. Trimesh's meshes
+(cubeserve's, futures, python_backend's requests and responses) are alive. Two requests are
+counted, each after a pause longer than what the predict model holds its forwards for
+(`triton_common.LetGoLater`), with 60 requests between them: a cycle made per request grows the
+count by every request. Trimesh's meshes
 are cycles by design and are not counted: the engine model freezes what it made at start-up out of
 the collector's count (`gc.freeze`), so that the collector's full passes, which free them, are
 cheap and come often; the test checks that it did."""
@@ -49,8 +50,9 @@ WATCHED_PY = textwrap.dedent("""
             pb_utils.Logger.log_warn(f"ALIVE {name} {{own}} FROZEN {{self.frozen}}")
             return super().execute(requests)
 """)
-WARM_S = 7.0  # past the predict model's hold of its forwards' iterators (LetGoLater, 5 s)
-MEASURED = 60  # requests after the warm-up, one at a time
+WARM = 10  # requests first (metric children, caches)
+QUIET_S = 6.5  # past the predict model's hold of its forwards' iterators (LetGoLater, 5 s, let go each second)
+MEASURED = 60  # requests between the two counted ones, one at a time
 MAX_GROWTH_PER_REQUEST = 1.0  # objects; a cycle per request leaves its ticket, future, reply, request, ...
 
 
@@ -69,20 +71,19 @@ def test_a_finished_request_leaves_no_reference_cycle_in_either_models_stub(tmp_
     with LocalTriton(repo, free_port(), free_port(), free_port(), log_path=log) as server, \
             Cube3DClient(server.http_url, "http") as http, Cube3DClient(server.grpc_url, "grpc") as grpc:
         clients = (http, grpc)
-        warm_until = time.monotonic() + WARM_S
-        warm = 0
-        while time.monotonic() < warm_until:
-            clients[warm % 2].generate(f"object {warm % 7}", resolution=4)
-            warm += 1
-        for i in range(MEASURED):
+        counted = []  # the requests whose counts are compared: each after a pause, with nothing held
+        for i in range(WARM + 1 + MEASURED + 1):
+            if i in (WARM, WARM + 1 + MEASURED):
+                time.sleep(QUIET_S)
+                counted.append(i)
             clients[i % 2].generate(f"object {i % 7}", resolution=4)
     text = log.read_text(errors="replace")
     for name in (deploy.STREAM_MODEL, deploy.PREDICT_MODEL):
         # one execute a request: one at a time, each model gets each request alone
         alive = [int(n) for n in re.findall(rf"ALIVE {re.escape(name)} (\d+)", text)]
-        assert len(alive) == warm + MEASURED, f"{name}: {len(alive)} executes logged for {warm + MEASURED} requests"
-        first, last = alive[warm - 1], alive[-1]
-        assert (last - first) / MEASURED < MAX_GROWTH_PER_REQUEST, (
+        assert len(alive) == WARM + MEASURED + 2, f"{name}: {len(alive)} executes logged for {WARM + MEASURED + 2} requests"
+        first, last = (alive[i] for i in counted)
+        assert (last - first) / (MEASURED + 1) < MAX_GROWTH_PER_REQUEST, (
             f"{name}'s stub: {first} -> {last} objects of the request path alive over {MEASURED} requests: "
             "a reference cycle per request")
     frozen = re.search(rf"ALIVE {deploy.STREAM_MODEL} \d+ FROZEN (\d+)", text)
