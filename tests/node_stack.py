@@ -273,9 +273,10 @@ disabled_plugins = ["io.containerd.nri.v1.nri"]
             if code or imported.returncode:
                 log.seek(0)
                 free = shutil.disk_usage(self.root).free / 2**30
-                raise cs.StackError(f"{ref} not moved into containerd: podman save exited {code}: {log.read()[-2000:]}"
-                                    f"ctr images import exited {imported.returncode}: {imported.stderr[-2000:]}"
-                                    f"({free:.1f} GiB free where containerd and podman's copy are)")
+                raise cs.StackError(f"{ref} not moved into containerd: podman save exited {code} "
+                                    f"({log.read()[-2000:].strip()}); ctr images import exited "
+                                    f"{imported.returncode} ({imported.stderr[-2000:].strip()}); "
+                                    f"{free:.1f} GiB free where containerd and podman's copy are")
         return time.monotonic() - t0
 
     def _kubelet(self) -> None:
