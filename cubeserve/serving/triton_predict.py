@@ -41,7 +41,7 @@ from cubeserve.serving import agreement, experiment, protocol
 from cubeserve.serving import metrics as metric_names
 from cubeserve.serving.experiment import Experiment
 from cubeserve.serving.protocol import ARM_PARAMETER, CANCEL_PARAMETER, FORWARDED_PARAMETER
-from cubeserve.serving.stubs import release_backend_objects, started_at, stub_alive
+from cubeserve.serving.stubs import StubLiveness, release_backend_objects, started_at
 from cubeserve.serving.triton_common import Drain, LetGoLater, Reply, error_response, parameters
 from cubeserve.serving.triton_common import request_parameter as _parameter
 from cubeserve.serving.triton_metrics import Measurements
@@ -198,6 +198,7 @@ class PredictModel:
         self.shadows_in_flight = 0
         self.stopping = threading.Event()
         self.server_pid = os.getppid()  # the stub is a child of tritonserver
+        self.stubs = StubLiveness(self.server_pid)
         self.drain = Drain(args)
         self.measurements = Measurements(args["model_name"])
         self.measurements.started(self.version, started_at(self.server_pid) or time.time())
@@ -478,7 +479,7 @@ class PredictModel:
             return False
 
     def _engine_alive(self, version: int) -> bool:
-        return stub_alive(self.server_pid, self.engine_model, version)
+        return self.stubs.alive(self.engine_model, version)
 
     def _engine_gone_error(self, version: int):
         return error_response(str(Unavailable(
