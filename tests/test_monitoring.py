@@ -402,3 +402,26 @@ def test_the_plain_scrape_config_is_the_same_scrape_and_valid(tmp_path):
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     result = promtool("check", "config", "--syntax-only", str(tmp_path / "prometheus.yml"))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mesh_quality_labels_meshes_as_trimesh_judges_them():
+    """cube3d_meshes_total's `quality`, judged on the faces alone, says what trimesh's
+    Trimesh.is_watertight says (the pipeline's evaluation): closed, one face missing, a face
+    seen twice, faces whose winding disagrees (still closed), and no faces at all."""
+    import numpy as np
+    import trimesh
+
+    from cubeserve.engine.geometry import Mesh
+
+    sphere = trimesh.creation.icosphere(subdivisions=2)
+    flipped = sphere.faces.copy()
+    flipped[0] = flipped[0][::-1]
+    cases = {"closed": (sphere.faces, m.MESH_OK), "a face missing": (sphere.faces[1:], m.MESH_NOT_WATERTIGHT),
+             "a face twice": (np.vstack([sphere.faces, sphere.faces[:1]]), m.MESH_NOT_WATERTIGHT),
+             "winding flipped": (flipped, m.MESH_OK)}
+    for name, (faces, quality) in cases.items():
+        mesh = Mesh(vertices=np.asarray(sphere.vertices, np.float32), faces=np.asarray(faces, np.int64))
+        assert m.mesh_quality(mesh) == quality, name
+        judged = trimesh.Trimesh(vertices=mesh.vertices, faces=mesh.faces, process=False).is_watertight
+        assert (quality == m.MESH_OK) == judged, name
+    assert m.mesh_quality(Mesh()) == m.MESH_EMPTY

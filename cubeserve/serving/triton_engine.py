@@ -247,17 +247,6 @@ class ClientWatch:
         self._thread.join(CANCEL_POLL_S + 5)
 
 
-def mesh_quality(mesh) -> str:
-    """The `quality` label of a mesh: empty, not_watertight (an edge not shared by exactly two
-    faces, as trimesh decides, the pipeline's evaluation uses the same test) or ok."""
-    import trimesh
-
-    if mesh.empty:
-        return metric_names.MESH_EMPTY
-    closed = trimesh.Trimesh(vertices=mesh.vertices, faces=mesh.faces, process=False).is_watertight
-    return metric_names.MESH_OK if closed else metric_names.MESH_NOT_WATERTIGHT
-
-
 def warm_mesh_output() -> None:
     """Export a tetrahedron in every format and judge its quality, once, as the engine loads: the
     first export imports and sets up trimesh's exporters, 0.65 s of the first request's time
@@ -266,7 +255,7 @@ def warm_mesh_output() -> None:
                        faces=np.array([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]], dtype=np.int64))
     for file_type in FORMATS:
         protocol.encode_mesh(tetrahedron.export(file_type), "base64")
-    mesh_quality(tetrahedron)
+    metric_names.mesh_quality(tetrahedron)
 
 
 class EngineModel:
@@ -412,7 +401,7 @@ class EngineModel:
                 return
             timings = result.timings
             self.measurements.generated(self.version, arm, len(result.tokens), timings.get("tokens_s", 0.0),
-                                        timings.get("queue_s", 0.0), mesh_quality(result.mesh))
+                                        timings.get("queue_s", 0.0), metric_names.mesh_quality(result.mesh))
             answer(outputs, metric_names.OK)
 
         try:
