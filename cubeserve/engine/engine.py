@@ -21,6 +21,7 @@ import torch
 from cubeserve.checkpoint import CLIP_DIR, load_models
 from cubeserve.config import ModelConfig, check_decode_window
 from cubeserve.engine import fast_paths, geometry
+from cubeserve.engine.allocator import keep_freed_memory
 from cubeserve.engine.cache import prefill_condition
 from cubeserve.engine.runner import DecodeRunner
 from cubeserve.engine.sampling import SamplingParams
@@ -133,6 +134,8 @@ class Engine:
                 f"text_model_embed_dim {cfg.gpt.text_model_embed_dim}")
         self.cfg = cfg
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # the same page faults an object in every process (engine/allocator.py)
         self.dtype = dtype
         self.single_block_mode = single_block_mode
         self.quantization = quantization
