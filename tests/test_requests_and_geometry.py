@@ -104,6 +104,50 @@ def test_chunked_occupancy_equals_one_chunk(make_engine):
     assert torch.allclose(whole, chunked, atol=1e-5)
 
 
+# In a fresh interpreter with the engine's malloc thresholds: a tiny tokenizer's grid at resolution
+# 5 (35,937 points), six times; the page faults of the last three (the heap grows over the first
+# two or three).
+GRIDS = """
+import json, resource, sys
+import torch
+from cubeserve.config import TINY
+from cubeserve.engine import geometry
+from cubeserve.engine.allocator import keep_freed_memory
+from cubeserve.model.tokenizer import ShapeTokenizer
+assert keep_freed_memory()
+torch.manual_seed(0)
+tokenizer = ShapeTokenizer(TINY.tokenizer).eval()
+latents = torch.randn(1, TINY.tokenizer.num_encoder_latents, TINY.tokenizer.width)
+chunk = int(sys.argv[1]) or None
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    geometry.occupancy_grid(tokenizer, latents, 5, chunk_size=chunk)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults[3:]))
+"""
+
+
+def test_a_cpu_grid_reuses_the_memory_of_the_one_before():
+    import json
+    import subprocess
+    import sys
+
+    from cubeserve.engine.allocator import MMAP_THRESHOLD
+
+    def faults(chunk: int) -> list[int]:
+        done = subprocess.run([sys.executable, "-c", GRIDS, str(chunk)], capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)
+
+    for width in (64, 768, 1536):  # tiny, v0.1, wider: the MLP's hidden block stays under glibc's limit
+        assert 256 <= geometry.chunk_points(width, "cpu") * 4 * 4 * width < MMAP_THRESHOLD
+    assert geometry.chunk_points(768, "cuda:0") == geometry.GPU_CHUNK
+    # 100,000 points a query (the size before) maps a 36.8 MB block afresh every grid: ~9,000
+    # faults each time. The engine's chunks reuse what the grid before freed.
+    assert min(faults(100_000)) > 5000
+    assert max(faults(0)) < 1000
+
+
 def test_encoder_round_trip_on_tokenizer_output(make_engine):
     engine = make_engine("tiny")
     tok = engine.tokenizer

@@ -9,7 +9,8 @@ happened to free before: the same engine, in a Triton stub, handed back 27.5 MB 
 faulted 24,900 pages an object against 18,300 in a process that had freed larger blocks first
 (tiny config, resolution 5, strace and /proc; issue 53, BENCHMARKS.md "Server overhead"). Fixed
 here, what the engine frees stays mapped for its next objects, in every process that hosts it.
-Blocks past 32 MB (two of 36.8 MB an object there) are mapped and unmapped whatever is set.
+Blocks past 32 MB are mapped and unmapped whatever is set: geometry's queries keep theirs under
+MMAP_THRESHOLD (`geometry.chunk_points`).
 
 Process-wide, as the thresholds are. Without glibc (no `mallopt`) it does nothing.
 """

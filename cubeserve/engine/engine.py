@@ -253,7 +253,7 @@ class Engine:
 
     @torch.no_grad()
     def tokens_to_meshes(self, tokens: torch.Tensor, resolutions: list[int], coarse_to_fine: bool = True,
-                         chunk_size: int = geometry.DEFAULT_CHUNK,
+                         chunk_size: int | None = None,
                          mesh_worker: geometry.MeshWorker | None = None) -> list[geometry.Mesh]:
         """Meshes of token sequences [B, N]; coarse-to-fine occupancy unless told to go dense.
         `mesh_worker`: where scikit-image's marching cubes runs (`geometry.marching_cubes`)."""

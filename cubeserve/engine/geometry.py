@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 from cubeserve.engine import mesh_worker
+from cubeserve.engine.allocator import MMAP_THRESHOLD
 from cubeserve.engine.mesh_worker import MeshWorker
 
 log = logging.getLogger(__name__)
 
 BOUNDS = (-1.05, 1.05)
-DEFAULT_CHUNK = 100_000
+GPU_CHUNK = 100_000  # points a query of the occupancy decoder takes at once on a GPU
 COARSE_RESOLUTION = 5  # coarse-to-fine starts from a 33^3 grid
 MARCHING_CUBES_BACKENDS = ("auto", "skimage", "warp")
 
@@ -59,10 +60,25 @@ def grid_points(resolution: int, device=None, axis: torch.Tensor | None = None) 
     return torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), dim=-1).view(-1, 3)
 
 
+def chunk_points(width: int, device: torch.device | str) -> int:
+    """Points a query of the occupancy decoder takes at once: GPU_CHUNK on a GPU; on a CPU the
+    most whose widest block, the MLP's hidden row (4 x width fp32), stays under glibc's mmap
+    threshold (engine/allocator.py). Past it every block is mapped afresh and each of its pages
+    faulted in on every query; under it the heap reuses what the query before freed. A grid took
+    10 to 16 % less time than with 100,000 points (tiny, v0.1's shape; AVX-512, 2 threads), and
+    much smaller chunks cost more again: each projects the latents' keys and values anew
+    (BENCHMARKS.md "Geometry's query chunks")."""
+    if torch.device(device).type != "cpu":
+        return GPU_CHUNK
+    return max(256, (MMAP_THRESHOLD - (1 << 20)) // (4 * 4 * width))
+
+
 @torch.no_grad()
-def _query(tokenizer, points: torch.Tensor, latents: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Occupancy logits [B, P] (fp32) of points [P, 3] for latents [B, N, width], in chunks."""
+def _query(tokenizer, points: torch.Tensor, latents: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """Occupancy logits [B, P] (fp32) of points [P, 3] for latents [B, N, width], in chunks
+    (`chunk_points` unless told)."""
     b = latents.shape[0]
+    chunk_size = chunk_size or chunk_points(latents.shape[-1], latents.device)
     out = torch.empty(b, points.shape[0], dtype=torch.float32, device=latents.device)
     for start in range(0, points.shape[0], chunk_size):
         chunk = points[start: start + chunk_size]
@@ -71,7 +87,7 @@ def _query(tokenizer, points: torch.Tensor, latents: torch.Tensor, chunk_size: i
 
 
 @torch.no_grad()
-def occupancy_grid(tokenizer, latents: torch.Tensor, resolution: int, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+def occupancy_grid(tokenizer, latents: torch.Tensor, resolution: int, chunk_size: int | None = None) -> torch.Tensor:
     """Dense occupancy logits [B, n, n, n] (fp32) for latents [B, N, width]: every sample."""
     n = grid_size(resolution)
     return _query(tokenizer, grid_points(resolution, latents.device), latents, chunk_size).view(-1, n, n, n)
@@ -80,7 +96,7 @@ def occupancy_grid(tokenizer, latents: torch.Tensor, resolution: int, chunk_size
 @torch.no_grad()
 def occupancy_grid_coarse_to_fine(tokenizer, latents: torch.Tensor, resolution: int,
                                   coarse_resolution: int = COARSE_RESOLUTION,
-                                  chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
+                                  chunk_size: int | None = None) -> torch.Tensor:
     """The dense grid's logits [n, n, n] for one object [1, N, width], evaluating only near
     the surface.
 
