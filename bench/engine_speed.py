@@ -21,7 +21,7 @@ CLIP_SEED = 0
 MARCHING_CUBES_NAMES = {"skimage": "scikit-image, on the CPU", "warp": "NVIDIA Warp, on the GPU"}
 
 
-def build_engine(config: str, device: torch.device, dtype: torch.dtype):
+def build_engine(config: str, device: torch.device, dtype: torch.dtype, cpu_threads: int | None = None):
     from cubeserve.checkpoint import init_random_models
     from cubeserve.config import get_config
     from cubeserve.engine import Engine
@@ -30,7 +30,7 @@ def build_engine(config: str, device: torch.device, dtype: torch.dtype):
     cfg = get_config(config)
     gpt, tok = init_random_models(cfg, seed=0, device=device)
     clip_dir = build_tiny_clip(tempfile.mkdtemp(prefix="bench-clip-"), cfg.gpt.text_model_embed_dim, seed=CLIP_SEED)
-    return Engine(cfg, gpt, tok, TextEncoder(clip_dir, device), device=device, dtype=dtype)
+    return Engine(cfg, gpt, tok, TextEncoder(clip_dir, device), device=device, dtype=dtype, cpu_threads=cpu_threads)
 
 
 class ReadBandwidth:

@@ -3,6 +3,7 @@ one token per forward, side by side in one run: greedy, float32, on the CPU (or 
 
     python -m bench.parallel_decode [--prompts 50] [--windows 1,4,8,16,32] [--threads 1] [--quick] [--no-markdown]
     python -m bench.parallel_decode --device cuda --configs demo,v0.1 --prompts 4 --windows 1,4,16 --flights 1
+    python -m bench.parallel_decode --cost-only --configs v0.1 --windows 1,4,16 --threads 2
 
 Configs: the trained demo model (models/demo) and the tiny configs with random weights (tiny,
 tiny-bbox). Prompts are the demo data's (`demo.shapes.sample_shapes`), decoded one object at a
@@ -18,9 +19,11 @@ descheduled thread (BENCHMARKS.md, `bench.decode_paths`). Writes bench/results.j
 "parallel_decode") and BENCHMARKS.md's `parallel-decode` section (`parallel-decode-gpu` on CUDA).
 
 On CUDA (bench/gpu_check.sh) window 1 replays the decode graphs as the server does and wider
-windows run eagerly (`window_check.measure`); the full shapes (v0.1, v0.5) get random weights
-built on the device (their acceptance means nothing: what counts there is a forward's time
-against its window), the demo model its own.
+windows run eagerly (`window_check.measure`). The full shapes (v0.1, v0.5) get random weights
+built on the device, on the CPU too (their acceptance means nothing: what counts there is a
+forward's time against its window), the demo model its own. `--cost-only` times forwards at
+the first positions instead of whole objects (minutes a window at v0.1's size on a CPU) and
+writes the `parallel-decode-full` section on the CPU.
 """
 
 from __future__ import annotations
@@ -43,16 +46,17 @@ from bench.common import Record, hardware, write_results
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "models" / "demo"
 FLIGHTS = (1, 8)
 CONFIGS = ("demo", "tiny", "tiny-bbox")
+FULL_SHAPES = ("v0.1", "v0.5")  # random weights built in memory: their cost, not their acceptance
 
 
 def engine_of(config: str, tmp: str, threads: int, device: torch.device, dtype: str):
     from cubeserve.checkpoint import write_random_weights
     from cubeserve.engine import Engine
 
-    if config != "demo" and device.type == "cuda":  # the full shapes' weights are not written out
+    if config in FULL_SHAPES or (config != "demo" and device.type == "cuda"):  # not written out
         from bench.engine_speed import build_engine
 
-        return build_engine(config, device, getattr(torch, dtype))
+        return build_engine(config, device, getattr(torch, dtype), cpu_threads=threads if device.type == "cpu" else None)
     weights = DEMO_MODEL if config == "demo" else write_random_weights(config, Path(tmp) / config, seed=0)
     return Engine.from_dir(weights, device=str(device), dtype=dtype, cpu_threads=threads)
 
@@ -90,6 +94,65 @@ def run(config: str, prompts: list[str], windows: tuple[int, ...], threads: int 
     return records, rows
 
 
+def forward_cost(config: str, windows: tuple[int, ...], steps: int, rounds: int, threads: int,
+                 device: torch.device, dtype: str) -> tuple[list[Record], list[str]]:
+    """What one forward costs at each window, not what it accepts: one object admitted, two
+    forwards untimed, then `steps` timed, the rows taking turns for `rounds` rounds (the
+    median). For the full shapes, whose whole objects take minutes a window on a CPU and whose
+    random weights make acceptance meaningless. Break-even: the tokens per forward a window must
+    keep to beat one token per forward, its forward's time over window 1's. On the CPU a row "1,
+    packed" runs one token per forward with its 2 rows on the packed weights
+    (`fast_paths.PACKED_MIN_ROWS` 2 instead of 4), which the windows' 4 rows and more always take."""
+    import contextlib
+    import statistics
+    import time
+
+    from cubeserve.engine import GenerationRequest, fast_paths
+
+    @contextlib.contextmanager
+    def packed_from(rows: int):
+        kept, fast_paths.PACKED_MIN_ROWS = fast_paths.PACKED_MIN_ROWS, rows
+        try:
+            yield
+        finally:
+            fast_paths.PACKED_MIN_ROWS = kept
+
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = engine_of(config, tmp, threads, device, dtype)
+    rows_of = [(str(w), w, fast_paths.PACKED_MIN_ROWS) for w in windows]
+    if device.type == "cpu":
+        rows_of.insert(1, ("1, packed", 1, 2))
+    runners = {w: engine.decode_runner(max_objects=1, window=w) for w in windows}
+    request = [GenerationRequest("a chair")]
+    seconds = {label: [] for label, _, _ in rows_of}
+    for r in range(rounds):
+        for label, w, packed in rows_of[r % len(rows_of):] + rows_of[:r % len(rows_of)]:
+            runner = runners[w]
+            with packed_from(packed):
+                slot = runner.admit(request)[0]
+                for _ in range(2):
+                    runner.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                started, forwards = time.perf_counter(), runner.forwards
+                for _ in range(steps):
+                    runner.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                seconds[label].append((time.perf_counter() - started) / (runner.forwards - forwards))
+                runner.release(slot)
+    base = statistics.median(seconds["1"])
+    records, rows = [], []
+    for label, _, _ in rows_of:
+        median = statistics.median(seconds[label])
+        records.append(Record("parallel_decode_cost", hardware(device), config, f"window {label}", 1,
+                              extra={"forward_s_median": median, "forward_s": seconds[label], "steps": steps,
+                                     "threads": threads, "dtype": dtype, "break_even_tokens_per_forward": median / base}))
+        rows.append(f"| {config} | {label} | {median * 1e3:.1f} | {min(seconds[label]) * 1e3:.1f} | "
+                    f"{max(seconds[label]) * 1e3:.1f} | {median / base:.2f} |")
+        print(rows[-1], flush=True)
+    return records, rows
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=50, help="objects per config (default 50)")
@@ -102,9 +165,16 @@ def main() -> None:
                              "break a tie differently at another window width)")
     parser.add_argument("--flights", default=",".join(map(str, FLIGHTS)), help="objects in flight, comma-separated")
     parser.add_argument("--quick", action="store_true", help="8 prompts per config (a smoke run)")
+    parser.add_argument("--cost-only", action="store_true",
+                        help="time forwards, not whole objects: for the full shapes (v0.1, v0.5) on a CPU")
+    parser.add_argument("--steps", type=int, default=8, help="timed forwards a round with --cost-only")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds with --cost-only")
     parser.add_argument("--no-markdown", action="store_true", help="do not write BENCHMARKS.md or results.json")
     args = parser.parse_args()
     from cubeserve.engine.window_check import default_prompts, windows_of
+
+    if args.cost_only:
+        return cost_only(args)
 
     count = 8 if args.quick else args.prompts
     prompts = default_prompts(count)
@@ -151,6 +221,41 @@ def main() -> None:
 
         write_results(records, {"date": when, "hardware": machine, "torch": torch.__version__})
         update_markdown("parallel-decode-gpu" if cuda else "parallel-decode", lines)
+
+
+def cost_only(args) -> None:
+    """`--cost-only`: each config's forward_cost table; BENCHMARKS.md's `parallel-decode-full`."""
+    from cubeserve.engine.window_check import windows_of
+
+    windows = windows_of(int(w) for w in args.windows.split(","))
+    device = torch.device(args.device)
+    machine = hardware(device)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    load = os.getloadavg()[0]
+    records, rows = [], []
+    for config in args.configs.split(","):
+        r, lines = forward_cost(config, windows, args.steps, args.rounds, args.threads, device, args.dtype)
+        records += r
+        rows += lines
+    lines = [
+        f"`python -m bench.parallel_decode --cost-only --configs {args.configs} --windows {args.windows} "
+        f"--threads {args.threads} --steps {args.steps} --rounds {args.rounds}`, measured {when} on {machine}, "
+        f"torch {torch.__version__}, {args.dtype}, {args.threads} OpenMP thread(s), the machine's 1-minute load "
+        f"average {load:.1f} when the run began: one object (guidance on: 2 rows a position), random weights, "
+        f"{args.steps} forwards timed after 2 untimed at the first positions, the windows taking turns for "
+        f"{args.rounds} rounds. Break-even: the tokens a window's forward must keep on average to beat one token "
+        "per forward (its forward's time over window 1's).",
+        "",
+        "| config | window | ms per forward (median) | min | max | break-even tokens per forward |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+    print("\n".join(lines))
+    if not args.no_markdown and device.type == "cpu":
+        from bench.__main__ import update_markdown
+
+        write_results(records, {"date": when, "hardware": machine, "torch": torch.__version__})
+        update_markdown("parallel-decode-full", lines)
 
 
 if __name__ == "__main__":
