@@ -59,7 +59,7 @@ def run(config: str, resolution: int, rounds: int) -> tuple[list[Record], list[s
     records, rows = [], []
     for name, chunk in sizes.items():
         median = statistics.median(seconds[name])
-        records.append(Record("geometry-chunks", "cpu", config, f"resolution {resolution}, {name}", 1,
+        records.append(Record("geometry-chunks", hardware(torch.device("cpu")), config, f"resolution {resolution}, {name}", 1,
                               extra={"chunk_points": chunk, "median_s": median, "best_s": min(seconds[name]),
                                      "page_faults": statistics.median(faults[name]), "rounds": rounds}))
         rows.append(f"| {config} (width {cfg.width}) | {resolution} | {name} | {chunk:,} | {median * 1e3:.1f} | "

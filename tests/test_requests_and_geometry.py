@@ -1,6 +1,7 @@
 """Bad input gets an error naming the field; geometry follows the reference's mapping."""
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,12 +141,17 @@ def test_a_cpu_grid_reuses_the_memory_of_the_one_before():
         return json.loads(done.stdout)
 
     for width in (64, 768, 1536):  # tiny, v0.1, wider: the MLP's hidden block stays under glibc's limit
-        assert 256 <= geometry.chunk_points(width, "cpu") * 4 * 4 * width < MMAP_THRESHOLD
+        chunk = geometry.chunk_points(width, "cpu")
+        assert chunk >= 256 and chunk * 4 * 4 * width < MMAP_THRESHOLD
     assert geometry.chunk_points(768, "cuda:0") == geometry.GPU_CHUNK
-    # 100,000 points a query (the size before) maps a 36.8 MB block afresh every grid: ~9,000
-    # faults each time. The engine's chunks reuse what the grid before freed.
-    assert min(faults(100_000)) > 5000
+    # The engine's chunks reuse what the grid before freed.
     assert max(faults(0)) < 1000
+    # 100,000 points a query (the size before) maps a 36.8 MB block afresh every grid: ~9,000
+    # faults each time, which shows the count can see it. Not where the kernel backs every large
+    # mapping with 2 MiB pages (transparent hugepages "always"): a few dozen faults then.
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not (thp.exists() and "[always]" in thp.read_text()):
+        assert min(faults(100_000)) > 5000
 
 
 def test_encoder_round_trip_on_tokenizer_output(make_engine):
