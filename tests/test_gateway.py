@@ -404,16 +404,18 @@ def test_a_tenant_at_its_concurrency_cap_gets_429_and_another_is_served(start):
 
 # -- balancing and retries ---------------------------------------------------------------------------
 
-def _load(g: Gateway, clients: int, seconds: float, during=None) -> list[int]:
+def _load(g: Gateway, clients: int, seconds: float, during=None, failures: list | None = None) -> list[int]:
     """`clients` threads calling as fast as answers come for `seconds`; `during()` runs meanwhile
-    (after a third of the time). Every status."""
+    (after a third of the time). Every status; each other than 200 with its body in `failures`."""
     statuses, lock, stop = [], threading.Lock(), time.monotonic() + seconds
 
     def client():
         while time.monotonic() < stop:
-            status = call(g, key=KEYS["team-a"], timeout=30)[0]
+            status, _, body = call(g, key=KEYS["team-a"], timeout=30)
             with lock:
                 statuses.append(status)
+                if status != 200 and failures is not None:
+                    failures.append((status, body[:300]))
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
@@ -448,8 +450,9 @@ def test_a_backend_killed_mid_run_fails_no_client_request(start):
         served_before.update(one=len(one.requests()), two=len(two.requests()))
         one.kill()  # SIGKILL: requests in flight there are cut, its port refuses connections
 
-    statuses = _load(g, clients=6, seconds=6, during=kill)
-    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    failures = []  # Envoy's body says why (the reset reason of the last try)
+    statuses = _load(g, clients=6, seconds=6, during=kill, failures=failures)
+    assert statuses and set(statuses) == {200}, ({s: statuses.count(s) for s in set(statuses)}, failures)
     assert served_before["one"] > 0 and served_before["two"] > 0
     assert len(two.requests()) > served_before["two"]  # the survivor took the rest
     stats = g.stats()
@@ -762,6 +765,8 @@ def test_k8s_gateway_says_what_the_local_gateway_does(gateway_k8s):
     assert set(spec["retry"]["retryOn"]["triggers"]) == {"connect-failure", "reset", "retriable-status-codes"}
     assert spec["retry"]["retryOn"]["httpStatusCodes"] == list(local.RETRIABLE_STATUS_CODES)
     assert spec["retry"]["numRetries"] == local.MAX_RETRIES
+    back_off = spec["retry"]["perRetry"]["backOff"]["baseInterval"]
+    assert back_off.endswith("ms") and float(back_off[:-2]) / 1000 == float(local.RETRY_BACK_OFF.rstrip("s"))
     # Passive health as Envoy Gateway v1.9.0 translates it (internal/xds/translator/cluster.go,
     # buildXdsOutlierDetection, lines 715-750: each field set only when given, so the CRD's
     # consecutive5XxErrors default of 5 would apply unless overridden).

@@ -115,7 +115,14 @@ OUTLIER_DETECTION = {
     "interval": "1s", "base_ejection_time": "10s", "max_ejection_percent": 50}
 BACKENDS = "backends"  # the internal listener all tenants' requests pass, to the models' clusters
 MODEL_HEADER = MODEL_KEY  # the gateway's model name, set for the servers' meters (a client's is removed)
-RETRY_BACK_OFF = "0.025s"  # base of the jittered back-off before a retry (a spill-over waits this)
+# Base of the jittered back-off before a retry: the first waits up to this, the second up to twice
+# it (backoff_strategy.cc: uniform below an interval that doubles).
+# A server's ejection reaches the balancer through Envoy's main thread (the worker posts the
+# failure there, the new host set comes back by another post); until then LEAST_REQUEST picks the
+# dead server for every try, as it has no requests in flight. With 25 ms, 1 of 151 requests in CI
+# got a 503 as a server was killed (tests/test_gateway.py): the chance that all three tries fall in
+# that window falls with the square of the base. k8s/gateway/backendtrafficpolicy.yaml's perRetry waits the same.
+RETRY_BACK_OFF = "0.1s"
 CONCURRENCY_RETRY_AFTER_S = 1  # a tenant at its concurrency cap: a request ends within seconds, or more
 # Envoy's edge-proxy guide ("Configuring Envoy as an edge proxy"), point by point in
 # docs/security.md; k8s/gateway/clienttrafficpolicy.yaml and backendtrafficpolicy.yaml say the same.
