@@ -120,8 +120,9 @@ MODEL_HEADER = MODEL_KEY  # the gateway's model name, set for the servers' meter
 # A server's ejection reaches the balancer through Envoy's main thread (the worker posts the
 # failure there, the new host set comes back by another post); until then LEAST_REQUEST picks the
 # dead server for every try, as it has no requests in flight. With 25 ms, 1 of 151 requests in CI
-# got a 503 as a server was killed (tests/test_gateway.py): the chance that all three tries fall in
-# that window falls with the square of the base. k8s/gateway/backendtrafficpolicy.yaml's perRetry waits the same.
+# got a 503 as a server was killed (tests/test_gateway.py): the chance that both retries fall in
+# that window falls with the square of the base. k8s/gateway/backendtrafficpolicy.yaml's perRetry
+# waits the same (tests/test_gateway.py holds them equal).
 RETRY_BACK_OFF = "0.1s"
 CONCURRENCY_RETRY_AFTER_S = 1  # a tenant at its concurrency cap: a request ends within seconds, or more
 # Envoy's edge-proxy guide ("Configuring Envoy as an edge proxy"), point by point in
