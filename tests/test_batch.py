@@ -317,9 +317,17 @@ def test_a_decode_actor_killed_mid_run_is_replaced_and_no_row_is_lost_or_recorde
 
 def test_the_object_store_holds_the_prompts_the_weights_by_version_and_the_output(local_ray, object_store, tmp_path):
     """`cubeserve batch s3://.../p.parquet --version 3 --model-store s3://... --out s3://...`: the
-    weights of version 3 as the pipeline packages them, every worker downloading them itself."""
+    weights of version 3 as the pipeline packages them, every worker downloading them itself, and
+    leaving no copy behind on its disk once loaded."""
+    import tempfile
+
     from cubeserve import cli, storage
     from cubeserve.deploy import STREAM_MODEL
+
+    def downloaded() -> set[Path]:  # the workers' temporary directory is this process's (Ray's workers inherit it)
+        return set(Path(tempfile.gettempdir()).glob("cubeserve-weights-*"))
+
+    before = downloaded()
 
     store = "s3://batch/models"
     storage.upload_dir(DEMO_MODEL, f"{store}/3/{STREAM_MODEL}/3/weights")
@@ -336,6 +344,7 @@ def test_the_object_store_holds_the_prompts_the_weights_by_version_and_the_outpu
     assert cli.main(["batch", "s3://batch/in/q.jsonl", "--version", "3", "--model-store", store, "--out",
                      "s3://batch/out", "--device", "cpu", "--resolution", "4", "--no-progress"]) == 3
     assert storage.exists("s3://batch/out/q0.glb")
+    assert downloaded() <= before
 
 
 def test_a_version_is_batch_decoded_quantized_as_it_is_served(tmp_path, monkeypatch, capsys):

@@ -16,9 +16,11 @@ dies) is Ray's to handle: the actor is restarted and the whole batch is retried.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import tempfile
 import time
+from collections.abc import Iterator
 
 import pyarrow as pa
 
@@ -32,22 +34,21 @@ MESHED = pa.schema([*DECODED, ("mesh", pa.binary()), ("preview_png", pa.binary()
 WRITTEN = pa.schema([*(f for f in MESHED if f.name not in ("mesh", "preview_png")), ("mesh_uri", pa.string()),
                      ("preview_uri", pa.string()), ("write_s", pa.float64())])
 
-_weights: dict[str, str] = {}  # weights URI -> local directory, once per process
-
-
-def local_weights(uri: str) -> str:
-    """A local directory holding the weights at `uri` (an object-store URI is downloaded once per
-    worker process: on a cluster no two nodes share a disk)."""
+@contextlib.contextmanager
+def local_weights(uri: str) -> Iterator[str]:
+    """A local directory holding the weights at `uri`, for loading them: an object-store URI is
+    downloaded into a temporary directory (on a cluster no two nodes share a disk), removed once
+    the stage has loaded them. Kept for the worker's life, every worker process that started would
+    leave a copy of the checkpoint on its node's disk."""
     from cubeserve import storage
 
     local = storage.local_path(uri)
     if local is not None:
-        return str(local)
-    if uri not in _weights:
-        local = tempfile.mkdtemp(prefix="cubeserve-weights-")
-        storage.download_dir(uri, local)
-        _weights[uri] = local
-    return _weights[uri]
+        yield str(local)
+        return
+    with tempfile.TemporaryDirectory(prefix="cubeserve-weights-") as tmp:
+        storage.download_dir(uri, tmp)
+        yield tmp
 
 
 def _passing(rows: list[dict]) -> list[dict]:
@@ -65,8 +66,9 @@ class DecodeStage:
         from cubeserve.engine.scheduler import GRAPH_BUCKETS
 
         device = resolve_device(device)
-        self.engine = Engine.from_dir(local_weights(weights), device=device, dtype=dtype, cpu_threads=cpu_threads,
-                                      quantization=quantization)  # dtype None: the engine's default_dtype
+        with local_weights(weights) as path:  # everything is read here; nothing later opens the files
+            self.engine = Engine.from_dir(path, device=device, dtype=dtype, cpu_threads=cpu_threads,
+                                          quantization=quantization)  # dtype None: the engine's default_dtype
         # On CUDA the step is captured as graphs, in the buckets the server's scheduler uses.
         graphs = self.engine.device.type == "cuda"
         self.runner = self.engine.decode_runner(max_objects, graph_buckets=GRAPH_BUCKETS if graphs else None)
@@ -127,7 +129,8 @@ class GeometryStage:
 
         if cpu_threads:
             torch.set_num_threads(cpu_threads)
-        self.cfg, self.tokenizer = load_tokenizer(local_weights(weights))
+        with local_weights(weights) as path:
+            self.cfg, self.tokenizer = load_tokenizer(path)
         fast_paths.stream(self.tokenizer)  # the CPU products the engine gives its tokenizer
         self.device = torch.device("cpu")
         self.preview = preview
