@@ -15,7 +15,7 @@ machines.
   config file: https://pip.pypa.io/en/stable/topics/configuration/#location), and every local
   path they name (CA bundle, constraints, find-links directories, file:// indexes and the
   directories their pages link into) is mounted read-only at the same path. So torch comes from
-  the same CPU wheel as the host's, and pip trusts what the host's pip trusts. Nothing of this
+  the same wheel as the host's, and pip trusts what the host's pip trusts. Nothing of this
   machine is written here: all of it is read at test time. (The mount points stay in the test
   image as empty files and folders: /etc/pip.conf, /opt/wheels, ...)
 - The runtime image is built with `--layers=true`, each RUN line committed as its own layer:

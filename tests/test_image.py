@@ -15,7 +15,7 @@
 - The image's Python: the base image's Python is 3.12, the tests run 3.11. pip's resolver is run
   for both on the Dockerfile's install arguments; on every package both install they must agree
   (k8s/image-constraints.txt pins where they would not), and what only the image installs must be
-  torch's CUDA stack (the tests' torch is the CPU wheel).
+  torch's CUDA stack (where the tests' torch is a CPU wheel, they install none of it).
 
 The build needs root, podman and debootstrap (installed with apt-get when missing; .ci/run
 installs them); the base is made once (about 3 minutes) and kept as a podman image, the image
