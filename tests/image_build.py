@@ -20,9 +20,10 @@ machines.
   image as empty files and folders: /etc/pip.conf, /opt/wheels, ...)
 - The runtime image is built with `--layers=true`, each RUN line committed as its own layer:
   podman commits a layer by writing a tar of it and then the new layer beside the container's
-  copy, so the build's disk peak is the finished image plus about twice its largest layer. As one
-  layer (`--layers=false`) it took 25 GB of free disk for a 7 GB image, and failed a CI machine for
-  space; k8s/Dockerfile splits torch's CUDA wheels so that no layer passes LAYER_LIMIT. A rebuild
+  copy, and keeps each step's container until the build ends, so the build's disk peak is about
+  twice the image plus twice its largest layer: 16 GB for the 7 GB image, measured. As one layer
+  (`--layers=false`) it took 25 GB, and failed a CI machine for space; k8s/Dockerfile splits
+  torch's CUDA wheels so that no layer passes LAYER_LIMIT. A rebuild
   after a code change reuses the layers up to torch's. The one runtime image (RUNTIME_IMAGE) is
   kept for the node tests and replaced when what it is built from changes; the layers only the
   replaced one used are removed with it. Other builds here (the bases, probes) are small and keep
@@ -65,8 +66,8 @@ INSTALL = ("apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
 # Flags of every build here: no registry is reachable (the base is local), no OCI runtime.
 BUILD_FLAGS = ["--isolation=chroot", "--pull=never", "--layers=false"]
 RUNTIME_BUILD_FLAGS = [*BUILD_FLAGS[:-1], "--layers=true"]
-# The runtime image's largest layer, in bytes: the build's disk peak is about twice this beyond the
-# image (test_image.py holds every layer under it).
+# The runtime image's largest layer, in bytes: its commit writes two copies of it at the build's
+# peak (test_image.py holds every layer under it).
 LAYER_LIMIT = 2 * 10**9
 # podman re-executes itself from a sealed memfd copy of its binary (containers/storage's
 # unshare.c); the kernel can refuse the seal with EBUSY while pages of the copy are still pinned,
