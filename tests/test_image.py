@@ -121,11 +121,12 @@ def test_the_dockerfile_builds_with_its_config(built):
 
 
 def test_no_layer_of_the_image_passes_the_limit(built):
-    """The build's disk peak is the image plus about twice its largest layer (image_build.py):
+    """The build's disk peak holds two copies of the layer being committed (image_build.py):
     torch's CUDA wheels are split across RUN lines, each its own layer, none over LAYER_LIMIT."""
     history = json.loads(ib.podman("history", "--format", "json", built.id).stdout)
     sizes = sorted((entry["size"], entry.get("created_by", "")[-100:]) for entry in history)
-    assert sum(size for size, _ in sizes) > 4 * 10**9, sizes  # torch's CUDA stack is in it
+    image = int(ib.podman("image", "inspect", "--format", "{{.Size}}", built.id).stdout)
+    assert sum(size for size, _ in sizes) >= 0.99 * image, sizes  # the history accounts for the whole image
     assert sizes[-1][0] <= ib.LAYER_LIMIT, f"a layer of {sizes[-1][0] / 1e9:.1f} GB: {sizes[-1][1]}"
 
 
